@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The KV-cache format table: one row per preset, frozen and checked at import.
+
+In the spirit of ggml's ``type_traits``: every format states its K and V encodings, the norm
+precision, the packing layout and, derived from those, its exact bytes per token per KV head.
+Names shared with stock vLLM 0.26 keep their bit meaning (``k3v4`` = 3-bit keys, 4-bit values,
+``nc`` = norm correction); the fork adds presets stock lacks. Format names never change meaning;
+a retired name stays in ``RETIRED_FORMATS`` with a note.
+
+Per token and KV head, a component (K or V) of kind
+- ``mse``  stores packed codebook indices (``packing.PACKING_LAYOUT``) + one fp16 scale (2 B),
+- ``fp8``  stores d float8 e4m3 bytes of the rotated vector, no scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .packing import PACKING_LAYOUT, packed_bytes
+from .quantizer import FP8Quantizer, MSEQuantizer, split_segments
+from .rotation import SUPPORTED_HEAD_DIMS, check_head_dim
+
+NORM_BYTES = 2  # fp16 scale per vector
+BF16_BYTES = 2
+KEY_ROTATION_SEED = 0x7C01
+VALUE_ROTATION_SEED = 0x7C02
+
+
+@dataclass(frozen=True)
+class ComponentFormat:
+    """How one of K or V is stored."""
+
+    kind: str  # "mse" | "fp8"
+    bits: float  # bits per coordinate for the indices (8 for fp8)
+    norm_correction: bool = True
+
+    def segments(self, head_dim: int) -> tuple[tuple[int, int], ...]:
+        if self.kind != "mse":
+            raise ValueError(f"{self.kind} has no codebook segments")
+        return split_segments(head_dim, self.bits)
+
+    def index_bytes(self, head_dim: int) -> int:
+        if self.kind == "fp8":
+            return head_dim
+        return sum(packed_bytes(n, b) for n, b in self.segments(head_dim))
+
+    def scale_bytes(self) -> int:
+        return NORM_BYTES if self.kind == "mse" else 0
+
+    def bytes_per_vector(self, head_dim: int) -> int:
+        check_head_dim(head_dim)
+        return self.index_bytes(head_dim) + self.scale_bytes()
+
+    def bits_per_coordinate(self, head_dim: int) -> float:
+        return 8.0 * self.bytes_per_vector(head_dim) / head_dim
+
+    def quantizer(self, head_dim: int, seed: int):
+        if self.kind == "fp8":
+            return FP8Quantizer(head_dim, seed)
+        return MSEQuantizer(head_dim, self.bits, self.norm_correction, seed)
+
+    def describe(self) -> str:
+        if self.kind == "fp8":
+            return "fp8 e4m3 (rotated)"
+        return f"{self.bits:g}-bit Lloyd-Max{' +nc' if self.norm_correction else ''}"
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV-cache preset: ``--kv-cache-dtype NAME``."""
+
+    name: str
+    key: ComponentFormat
+    value: ComponentFormat
+    origin: str  # "stock" (name exists in vLLM 0.26, same bit meaning) | "new"
+    summary: str
+    key_seed: int = KEY_ROTATION_SEED
+    value_seed: int = VALUE_ROTATION_SEED
+    packing: str = PACKING_LAYOUT
+
+    def key_bytes(self, head_dim: int) -> int:
+        return self.key.bytes_per_vector(head_dim)
+
+    def value_bytes(self, head_dim: int) -> int:
+        return self.value.bytes_per_vector(head_dim)
+
+    def bytes_per_token_per_head(self, head_dim: int) -> int:
+        """Exact K+V bytes one token occupies for one KV head."""
+        return self.key_bytes(head_dim) + self.value_bytes(head_dim)
+
+    def compression_vs_bf16(self, head_dim: int) -> float:
+        return 2 * BF16_BYTES * head_dim / self.bytes_per_token_per_head(head_dim)
+
+    def key_quantizer(self, head_dim: int):
+        return self.key.quantizer(head_dim, self.key_seed)
+
+    def value_quantizer(self, head_dim: int):
+        return self.value.quantizer(head_dim, self.value_seed)
+
+
+_MSE = ComponentFormat
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("turboquant_k8v4", ComponentFormat("fp8", 8, False), _MSE("mse", 4), "stock",
+                 "fp8 keys, 4-bit codebook values (stock: uniform values)"),
+        KVFormat("turboquant_4bit_nc", _MSE("mse", 4), _MSE("mse", 4), "stock",
+                 "4-bit keys and values, norm-corrected"),
+        KVFormat("turboquant_k3v4_nc", _MSE("mse", 3), _MSE("mse", 4), "stock",
+                 "3-bit keys, 4-bit values, norm-corrected"),
+        KVFormat("turboquant_3bit_nc", _MSE("mse", 3), _MSE("mse", 3), "stock",
+                 "3-bit keys and values, norm-corrected"),
+        KVFormat("turboquant_3p5bit_nc", _MSE("mse", 3.5), _MSE("mse", 3.5), "new",
+                 "3.5-bit keys and values (half the rotated channels at 4, half at 3)"),
+        KVFormat("turboquant_k3v2_nc", _MSE("mse", 3), _MSE("mse", 2), "new",
+                 "3-bit keys, 2-bit values: values average out in attention, keys do not"),
+        KVFormat("turboquant_2p5bit_nc", _MSE("mse", 2.5), _MSE("mse", 2.5), "new",
+                 "2.5-bit keys and values (half at 3, half at 2)"),
+        KVFormat("turboquant_2bit_nc", _MSE("mse", 2), _MSE("mse", 2), "new",
+                 "2-bit keys and values: maximum capacity"),
+    )
+}
+
+# Names that once existed; they must never be reused with another meaning.
+RETIRED_FORMATS: dict[str, str] = {}
+
+
+def format_names() -> tuple[str, ...]:
+    return tuple(KV_FORMATS)
+
+
+def get_format(name: str) -> KVFormat:
+    """The preset called ``name``; an unknown name raises with the list of valid ones."""
+    try:
+        return KV_FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown TurboQuant KV-cache format {name!r}; valid formats: {', '.join(KV_FORMATS)}"
+        ) from None
+
+
+def _check_table() -> None:
+    for f in KV_FORMATS.values():
+        assert f.name.startswith("turboquant_"), f.name
+        assert f.origin in ("stock", "new"), f.name
+        assert f.name not in RETIRED_FORMATS, f.name
+        for d in SUPPORTED_HEAD_DIMS:
+            n = f.bytes_per_token_per_head(d)
+            assert 0 < n < 2 * BF16_BYTES * d, (f.name, d, n)
+
+
+_check_table()

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fused TurboQuant MSE encode / decode of dense vectors (jit functions only).
+
+Conventions shared with the paged-cache kernels:
+- A component has one or two *segments* of rotated coordinates, each with its own bit width.
+  Segment s has G_s = n_s / 8 groups, padded to GP_s (a power of two) for Triton shapes.
+- ``ROT_HI``/``ROT_LO`` hold the rotation rows of both segments, padded and permuted so that
+  row ``off_s + j*GP_s + g`` is rotated coordinate ``start_s + j*G_s + g`` (zero rows for g >= G_s),
+  split in an fp16 pair (hi + lo == fp32 row to ~2^-22). Hadamard rows are exactly +-1, so
+  ROT_LO is zero and unused (``EXACT_ROT``) and the 1/sqrt(d) lives in ``rot_scale``.
+- Products run on fp16 tensor cores as hi/lo pairs, which keeps fp32-level accuracy. Operands
+  are bounded first (unit vectors, codebook values < 3) so fp16 never overflows whatever the
+  vector's norm.
+- Packing is layout ``planar8`` (see ``turboquant_core.packing``).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_f16(x):
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+@triton.jit
+def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
+    """x [BN, D_PAD] fp32 -> x @ rows[row0:row0+P]^T, [BN, P] fp32."""
+    p = tl.arange(0, P)
+    i = tl.arange(0, D_PAD)
+    offs = (row0 + p)[None, :] * D_PAD + i[:, None]  # [D_PAD, P]: transposed view
+    rh = tl.load(ROT_HI + offs)
+    xh, xl = _split_f16(x)
+    t = tl.dot(xh, rh) + tl.dot(xl, rh)
+    if not EXACT_ROT:
+        rl = tl.load(ROT_LO + offs)
+        t += tl.dot(xh, rl)
+    return t
+
+
+@triton.jit
+def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
+    """y [BN, P] fp32 (rotated coords of one segment) -> y @ rows[row0:row0+P], [BN, D_PAD] fp32."""
+    p = tl.arange(0, P)
+    i = tl.arange(0, D_PAD)
+    offs = (row0 + p)[:, None] * D_PAD + i[None, :]  # [P, D_PAD]
+    rh = tl.load(ROT_HI + offs)
+    yh, yl = _split_f16(y)
+    x = tl.dot(yh, rh) + tl.dot(yl, rh)
+    if not EXACT_ROT:
+        rl = tl.load(ROT_LO + offs)
+        x += tl.dot(yh, rl)
+    return x
+
+
+@triton.jit
+def _quantize_segment(s, BND, NLEV: tl.constexpr):
+    """Scaled coords -> codebook indices: number of boundaries strictly below s."""
+    idx = tl.zeros(s.shape, dtype=tl.int32)
+    for k in tl.static_range(NLEV - 1):
+        idx += (s > tl.load(BND + k)).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _pack_store(idx, OUT, row_off, row_mask, byte0, BN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                B: tl.constexpr):
+    """idx [BN, 8*GP] int32 -> b bytes per group (planar8) at OUT[row_off + byte0 + k*G + g]."""
+    idx3 = tl.reshape(idx, (BN, 8, GP))
+    j = tl.arange(0, 8)
+    word = tl.sum(idx3.to(tl.uint32) << (B * j)[None, :, None].to(tl.uint32), axis=1)  # [BN, GP]
+    g = tl.arange(0, GP)
+    m = row_mask[:, None] & (g < G)[None, :]
+    for k in tl.static_range(B):
+        byte = ((word >> (8 * k)) & 0xFF).to(tl.uint8)
+        tl.store(OUT + row_off[:, None] + byte0 + k * G + g[None, :], byte, mask=m)
+
+
+@triton.jit
+def _load_unpack(IN, row_off, row_mask, byte0, BN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                 B: tl.constexpr):
+    """Inverse of _pack_store: [BN, 8*GP] int32 indices (padded groups read as 0)."""
+    g = tl.arange(0, GP)
+    m = row_mask[:, None] & (g < G)[None, :]
+    word = tl.zeros((BN, GP), dtype=tl.uint32)
+    for k in tl.static_range(B):
+        byte = tl.load(IN + row_off[:, None] + byte0 + k * G + g[None, :], mask=m, other=0)
+        word |= byte.to(tl.uint32) << (8 * k)
+    j = tl.arange(0, 8)
+    idx3 = (word[:, None, :] >> (B * j)[None, :, None].to(tl.uint32)) & ((1 << B) - 1)
+    return tl.reshape(idx3, (BN, 8 * GP)).to(tl.int32)
+
+
+@triton.jit
+def _segment_valid(BN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """[1, 8*GP] mask of real (non-padded) coordinates in a segment tile."""
+    p = tl.arange(0, 8 * GP)
+    return ((p % GP) < G)[None, :]
+
+
+@triton.jit
+def tq_mse_encode_kernel(
+    X, stride_x, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, OUT, stride_out, SCALE,
+    N, rot_scale, sqrt_d,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+    G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+    G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr,
+):
+    """Vectors [N, D] -> packed indices [N, bytes] (uint8) + fp16 scale [N]."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    i = tl.arange(0, D_PAD)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :], mask=rmask[:, None] & (i < D)[None, :],
+                other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    u = x * tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)[:, None]
+    s_mul = sqrt_d * rot_scale
+    out_off = rows.to(tl.int64) * stride_out
+
+    t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
+    idx0 = _quantize_segment(t0 * s_mul, BND0, 1 << B0)
+    c0 = tl.load(CENT0 + idx0)
+    sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), c0 * c0, 0.0), axis=1)
+    _pack_store(idx0, OUT, out_off, rmask, 0, BN, G0, GP0, B0)
+    if G1 > 0:
+        t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
+        idx1 = _quantize_segment(t1 * s_mul, BND1, 1 << B1)
+        c1 = tl.load(CENT1 + idx1)
+        sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), c1 * c1, 0.0), axis=1)
+        _pack_store(idx1, OUT, out_off, rmask, B0 * G0, BN, G1, GP1, B1)
+
+    if NORM_CORRECTION:
+        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
+    else:
+        scale = norm / sqrt_d
+    scale = tl.minimum(scale, 65504.0)
+    tl.store(SCALE + rows, scale.to(tl.float16), mask=rmask)
+
+
+@triton.jit
+def tq_mse_decode_kernel(
+    IN, stride_in, SCALE, ROT_HI, ROT_LO, CENT0, CENT1, OUT, stride_out,
+    N, rot_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+    G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+    G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+    EXACT_ROT: tl.constexpr, BN: tl.constexpr,
+):
+    """Packed indices [N, bytes] + fp16 scale [N] -> vectors [N, D] in OUT's dtype."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    in_off = rows.to(tl.int64) * stride_in
+    scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32) * rot_scale
+
+    idx0 = _load_unpack(IN, in_off, rmask, 0, BN, G0, GP0, B0)
+    x = _unrotate_rows(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
+    if G1 > 0:
+        idx1 = _load_unpack(IN, in_off, rmask, B0 * G0, BN, G1, GP1, B1)
+        x += _unrotate_rows(tl.load(CENT1 + idx1), ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
+    x = x * scale[:, None]
+    i = tl.arange(0, D_PAD)
+    tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + i[None, :], x.to(OUT.dtype.element_ty),
+             mask=rmask[:, None] & (i < D)[None, :])

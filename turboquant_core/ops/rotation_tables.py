@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Device tables the kernels share: padded, permuted rotation rows and codebooks per segment."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..codebooks import codebook_tensors
+from ..quantizer import split_segments
+from ..rotation import is_power_of_two, rotation_matrix
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class SegmentGeometry:
+    start: int  # first rotated coordinate of the segment
+    n: int  # coordinates in the segment
+    bits: int
+    groups: int  # n / 8
+    groups_pad: int  # next power of two >= groups
+    row0: int  # first row of this segment in the padded rotation table
+    byte0: int  # first packed byte of this segment
+
+
+@dataclass(frozen=True)
+class CodecTables:
+    """Everything a kernel needs to (de)quantize one component with an MSE codebook."""
+
+    dim: int
+    dim_pad: int
+    segments: tuple[SegmentGeometry, ...]
+    rot_hi: torch.Tensor  # [rows, dim_pad] fp16
+    rot_lo: torch.Tensor  # [rows, dim_pad] fp16 (zeros when exact_rot)
+    rot_scale: float
+    exact_rot: bool
+    centroids: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits]
+    boundaries: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits - 1]
+    index_bytes: int
+
+    def kernel_constexprs(self) -> dict:
+        s0 = self.segments[0]
+        s1 = self.segments[1] if len(self.segments) > 1 else None
+        return dict(
+            D=self.dim, D_PAD=self.dim_pad,
+            G0=s0.groups, GP0=s0.groups_pad, B0=s0.bits,
+            G1=s1.groups if s1 else 0, GP1=s1.groups_pad if s1 else 1, B1=s1.bits if s1 else 1,
+            EXACT_ROT=self.exact_rot,
+        )
+
+    def segment_tables(self):
+        """(cent0, bnd0, cent1, bnd1): second segment falls back to the first when absent."""
+        c, b = self.centroids, self.boundaries
+        return c[0], b[0], c[-1], b[-1]
+
+
+def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
+    segs = split_segments(dim, bits)
+    dim_pad = next_pow2(dim)
+    exact = is_power_of_two(dim)
+    r = rotation_matrix(dim, seed, dtype=torch.float64)
+    rot_scale = 1.0 / math.sqrt(dim) if exact else 1.0
+    if exact:
+        r = torch.round(r * math.sqrt(dim))  # exactly +-1
+    geoms, rows, start, row0, byte0 = [], [], 0, 0, 0
+    for n, b in segs:
+        g = n // 8
+        gp = next_pow2(g)
+        table = torch.zeros(8 * gp, dim_pad, dtype=torch.float64)
+        for j in range(8):
+            table[j * gp : j * gp + g, :dim] = r[start + j * g : start + (j + 1) * g]
+        geoms.append(SegmentGeometry(start, n, b, g, gp, row0, byte0))
+        rows.append(table)
+        start += n
+        row0 += 8 * gp
+        byte0 += n * b // 8
+    full = torch.cat(rows).float()
+    hi = full.to(torch.float16)
+    lo = (full - hi.float()).to(torch.float16)
+    cents, bnds = zip(*(codebook_tensors(b, dim, device) for _, b in segs))
+    return CodecTables(dim, dim_pad, tuple(geoms), hi.to(device).contiguous(), lo.to(device).contiguous(),
+                       rot_scale, exact, tuple(cents), tuple(bnds), byte0)
+
+
+@functools.lru_cache(maxsize=256)
+def codec_tables(dim: int, bits: float, seed: int, device: str = "cpu") -> CodecTables:
+    """Cached tables for (dim, bits, seed) on ``device`` (a string such as 'cuda:0')."""
+    return _build(dim, bits, seed, device)
+
+
+def padded_rotated_order(tables: CodecTables) -> torch.Tensor:
+    """Map padded kernel positions -> rotated coordinate (-1 for padding), per concatenated segments."""
+    out = []
+    for s in tables.segments:
+        pos = torch.full((8 * s.groups_pad,), -1, dtype=torch.long)
+        for j in range(8):
+            pos[j * s.groups_pad : j * s.groups_pad + s.groups] = s.start + j * s.groups + torch.arange(s.groups)
+        out.append(pos)
+    return torch.cat(out)
