@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Offline-generate throughput and KV capacity of vLLM across KV-cache dtypes, in one run on one GPU.
+
+Each configuration runs in its own subprocess (GPU memory is freed between them) with its own
+PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
+
+    python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b \
+        --configs bf16=patched:auto,fp8=patched:fp8,stock-k3v4=stock:turboquant_k3v4_nc,ours-k3v4=patched:turboquant_k3v4_nc \
+        --pythonpath-stock DIR --pythonpath-patched DIR --scenarios 1024x256x64,8192x256x32 --out results.json
+
+Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
+serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse_scenarios(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            i, o, b = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"bad scenario {item!r}; expected INxOUTxBATCH, e.g. 1024x256x64") from None
+        out.append((i, o, b))
+    return out
+
+
+def parse_configs(text: str) -> list[tuple[str, str, str]]:
+    out = []
+    for item in text.split(","):
+        name, _, rest = item.partition("=")
+        install, _, dtype = rest.partition(":")
+        if not (name and install in ("stock", "patched") and dtype):
+            raise SystemExit(f"bad config {item!r}; expected NAME=stock|patched:KV_CACHE_DTYPE")
+        out.append((name, install, dtype))
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside one subprocess: one engine, every scenario, one JSON line on stdout."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    scenarios = parse_scenarios(args.scenarios)
+    max_len = max(i + o for i, o, _ in scenarios) + 16
+    kwargs = dict(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=max_len, max_num_seqs=max(b for _, _, b in scenarios),
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
+        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    rng = random.Random(0)
+    rows = []
+    # Warm-up: compile paths for prefill and decode outside the timed region.
+    llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(64)]}],
+                 SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    for n_in, n_out, batch in scenarios:
+        prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
+        sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        el = time.perf_counter() - t
+        n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append(dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
+                         output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el))
+    print("TQ_BENCH_RESULT " + json.dumps(dict(
+        startup_s=startup, num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)), flush=True)
+
+
+def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict:
+    env = dict(os.environ)
+    pp = args.pythonpath_stock if install == "stock" else args.pythonpath_patched
+    if pp:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pp, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
+           "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}", flush=True)
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+            (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""), "timeout"
+    (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
+    row = dict(name=name, install=install, kv_cache_dtype=dtype, wall_s=time.perf_counter() - t, returncode=rc)
+    m = re.search(r"GPU KV cache size: ([\d,]+) tokens", out + err)
+    if m:
+        row["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+    res = [ln for ln in out.splitlines() if ln.startswith("TQ_BENCH_RESULT ")]
+    if res:
+        row.update(json.loads(res[-1].split(" ", 1)[1]))
+    else:
+        tail = [ln for ln in err.splitlines() if ln.strip()][-6:]
+        row["error"] = " | ".join(tail)[-1500:]
+    print(f"[bench] {name}: " + (f"ok in {row['wall_s']:.0f}s" if res else f"FAILED: {row.get('error', '')[-300:]}"),
+          flush=True)
+    return row
+
+
+def summarize(rows: list[dict], baseline: str) -> str:
+    base = next((r for r in rows if r["name"] == baseline and "scenarios" in r), None)
+    head = "| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 |"
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        if "scenarios" not in r:
+            lines.append(f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | - | failed | - | - | - |")
+            continue
+        cap = r.get("kv_capacity_tokens")
+        bcap = base.get("kv_capacity_tokens") if base else None
+        for i, s in enumerate(r["scenarios"]):
+            bs = base["scenarios"][i]["output_tok_per_s"] if base else None
+            lines.append(
+                f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/{s['output_len']}/"
+                f"{s['batch']} | {s['output_tok_per_s']:.0f} | {s['output_tok_per_s'] / bs:.2f}x | "
+                f"{cap if cap else '-'} | {(cap / bcap) if (cap and bcap) else float('nan'):.2f}x |"
+                if bs else f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/"
+                f"{s['output_len']}/{s['batch']} | {s['output_tok_per_s']:.0f} | - | {cap or '-'} | - |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
+    ap.add_argument("--configs", default="bf16=patched:auto,fp8=patched:fp8,ours-k3v4=patched:turboquant_k3v4_nc")
+    ap.add_argument("--scenarios", default="1024x256x64,8192x256x32")
+    ap.add_argument("--baseline", default="bf16", help="config name the ratios are taken against")
+    ap.add_argument("--pythonpath-stock", default="")
+    ap.add_argument("--pythonpath-patched", default="")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--out", default="throughput.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    parse_scenarios(args.scenarios)
+    configs = parse_configs(args.configs)
+    out = Path(args.out)
+    log_dir = out.with_suffix("").with_name(out.stem + "-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, install, dtype in configs:
+        rows.append(run_config(args, name, install, dtype, log_dir))
+        doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
+                   model=args.model, scenarios=args.scenarios, results=rows)
+        out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has
+    table = summarize(rows, args.baseline)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

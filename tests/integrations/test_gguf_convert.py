@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GGUF conversion: the SentencePiece-BPE tokenizer rebuild and the converter's refusals."""
+
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from turboquant_core.integrations.gguf_convert import (  # noqa: E402
+    build_spm_bpe_tokenizer,
+    convert_gguf,
+    needs_spm_bpe_rebuild,
+    spm_bpe_merges,
+)
+
+# A miniature SentencePiece-BPE vocabulary: control tokens, bytes, pieces whose scores are merge ranks.
+TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<0x41>", "a", "b", "c", "\u2581", "ab", "\u2581a", "abc", "\u2581ab",
+          "<start_of_turn>"]
+TYPES = [3, 3, 3, 2, 6, 1, 1, 1, 1, 1, 1, 1, 1, 4]
+SCORES = [0.0, 0.0, 0.0, 0.0, 0.0, -5, -6, -7, -8, -1.0, -2.0, -3.0, -4.0, 0.0]
+
+
+def test_merges_follow_scores():
+    merges = spm_bpe_merges(TOKENS, SCORES, TYPES)
+    # "ab" (score -1) merges first, then "▁a", "abc", "▁ab" (two splits: ▁+ab and ▁a+b).
+    assert merges[0] == ("a", "b")
+    assert merges[1] == ("\u2581", "a")
+    assert ("ab", "c") in merges and ("\u2581", "ab") in merges and ("\u2581a", "b") in merges
+    assert all(a in TOKENS and b in TOKENS for a, b in merges)
+
+
+def test_tokenizer_encodes_with_bos_and_round_trips():
+    tk = build_spm_bpe_tokenizer(TOKENS, SCORES, TYPES, bos_id=2, add_bos=True)
+    enc = tk.encode("abc ab")
+    assert enc.ids[0] == 2
+    assert enc.tokens[1:] == ["abc", "\u2581ab"]
+    assert tk.decode(enc.ids, skip_special_tokens=True) == "abc ab"
+    assert tk.encode("<start_of_turn>a").tokens[1:] == ["<start_of_turn>", "a"]
+    # An unknown character falls back to bytes when the byte piece exists, else <unk>.
+    assert "<0x41>" in tk.encode("A").tokens
+    assert build_spm_bpe_tokenizer(TOKENS, SCORES, TYPES, bos_id=2, add_bos=False).encode("ab").ids == [9]
+
+
+def _write_tokenizer_gguf(path, arch="gemma3"):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(TOKENS)
+    w.add_token_scores([float(s) for s in SCORES])
+    w.add_token_types(TYPES)
+    w.add_bos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_rebuild_detection(tmp_path):
+    _write_tokenizer_gguf(tmp_path / "g.gguf")
+    assert needs_spm_bpe_rebuild(gguf.GGUFReader(str(tmp_path / "g.gguf")))
+    _write_tokenizer_gguf(tmp_path / "l.gguf", arch="llama")
+    assert not needs_spm_bpe_rebuild(gguf.GGUFReader(str(tmp_path / "l.gguf")))
+
+
+def test_converter_refusals(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        convert_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert bad.read_bytes() == b"not a gguf file at all"  # the source is never touched
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError):
+        convert_gguf(bad, tmp_path / "taken")
+    with pytest.raises(ValueError, match="dtype"):
+        convert_gguf(bad, tmp_path / "out2", dtype="int8")
+    # Nothing half-written next to the destination.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "taken"]

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GGUF -> Hugging Face folder (bf16 safetensors + a correct fast tokenizer), written atomically.
+
+Why this exists: transformers 5.17 converts a GGUF whose tokenizer is SentencePiece-BPE
+(``tokenizer.ggml.model == "llama"`` with merge ranks stored as scores, no merges list; Gemma 3) into
+a *Unigram* tokenizer, and the tokenizer.json it saves from that keeps no usable scores: reloaded,
+"The capital of France is" becomes 24 single-character pieces with no <bos>. A serving engine fed
+those ids (vLLM tokenizes with the saved folder) produces garbage such as "1 1 1 1", while the
+in-process GGUF tokenizer looks fine. The fix rebuilds the tokenizer as what it is, a byte-fallback
+BPE whose merges follow the SentencePiece scores (the same rule transformers' SentencePieceExtractor
+uses for .model files), with <bos> added as llama.cpp's ``add_bos_token`` says.
+
+The source file is only read; the destination appears complete or not at all (temporary sibling
+folder, then one rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# llama.cpp token types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def needs_spm_bpe_rebuild(reader) -> bool:
+    """SentencePiece-BPE vocabularies stored without merges (Gemma family) need the rebuild."""
+    return _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.merges" not in reader.fields \
+        and _field(reader, "general.architecture", "").startswith("gemma")
+
+
+def spm_bpe_merges(tokens: list[str], scores, types) -> list[tuple[str, str]]:
+    """Merges of a SentencePiece BPE vocabulary: every split of a normal piece into two normal pieces,
+    ranked by the merged piece's score (higher first), ties by the ids of the parts."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for tok, i in vocab.items():
+        if types[i] != _NORMAL:
+            continue
+        local = []
+        for k in range(1, len(tok)):
+            ia, ib = vocab.get(tok[:k]), vocab.get(tok[k:])
+            if ia is not None and ib is not None and types[ia] == _NORMAL and types[ib] == _NORMAL:
+                local.append((ia, ib, k))
+        local.sort()
+        ranked.extend((-float(scores[i]), n, tok[:k], tok[k:]) for n, (_, _, k) in enumerate(local))
+    ranked.sort(key=lambda m: (m[0], m[1]))
+    return [(a, b) for _, _, a, b in ranked]
+
+
+def build_spm_bpe_tokenizer(tokens: list[str], scores, types, bos_id: int | None, add_bos: bool):
+    """A ``tokenizers.Tokenizer`` equivalent to the SentencePiece BPE model the GGUF describes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = next((t for i, t in enumerate(tokens) if types[i] == _UNKNOWN), "<unk>")
+    bpe = models.BPE(vocab=vocab, merges=spm_bpe_merges(tokens, scores, types), unk_token=unk,
+                     byte_fallback=True, fuse_unk=True)
+    tk = Tokenizer(bpe)
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for i, t in enumerate(tokens) if types[i] in (_CONTROL, _UNKNOWN)])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for i, t in enumerate(tokens) if types[i] == _USER_DEFINED])
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return tk
+
+
+def _rebuild_tokenizer(reader, folder: Path) -> None:
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    scores = list(_field(reader, "tokenizer.ggml.scores"))
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", True))
+    tk = build_spm_bpe_tokenizer(tokens, scores, types, bos_id, add_bos)
+    tk.save(str(folder / "tokenizer.json"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg.update(add_bos_token=add_bos, add_eos_token=False, tokenizer_class="GemmaTokenizerFast"
+               if "gemma" in _field(reader, "general.architecture", "") else cfg.get("tokenizer_class"))
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def convert_gguf(src: str | os.PathLike, dest: str | os.PathLike, dtype: str = "bfloat16",
+                 overwrite: bool = False) -> Path:
+    """Write a Hugging Face folder for the GGUF model ``src`` at ``dest`` (weights dequantized to ``dtype``)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, dest = Path(src).resolve(), Path(dest).resolve()
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {src}")
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype must be one of bfloat16, float16, float32; got {dtype!r}")
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except Exception as e:  # a truncated or foreign file
+        raise ValueError(f"{src} is not a readable GGUF file: {e}") from e
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                     dtype=getattr(torch, dtype))
+        cfg = model.config
+        if hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+        clean = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+        missing, _ = clean.load_state_dict(model.state_dict(), strict=False)
+        missing = [k for k in missing if "lm_head" not in k]
+        if missing:
+            raise ValueError(f"{src}: tensors missing after conversion: {missing[:5]}")
+        clean.tie_weights()
+        clean.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if needs_spm_bpe_rebuild(reader):
+            _rebuild_tokenizer(reader, tmp)
+        if dest.exists():
+            old = dest.with_name(dest.name + ".old")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="tq convert-gguf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", help="model .gguf file (read only)")
+    ap.add_argument("dest", help="output Hugging Face folder")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        out = convert_gguf(args.src, args.dest, args.dtype, args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
