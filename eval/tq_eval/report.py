@@ -1,0 +1,393 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Turn the per-config results of one model into report.json, report.md and PNG plots.
+
+Two steps, so plots can be redrawn anywhere from report.json alone:
+- ``summarize(model, raw_dir, ...)`` reads ``raw/<config>/result.json`` and the perplexity
+  logprobs, computes dPPL / KL / top-1 agreement against the bf16 ("auto") config, the acceptance
+  checks, and returns the report dict;
+- ``write_report(report, out_dir)`` writes report.json, report.md, configs/<id>.json (each
+  config's result without bulky records) and plots/*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tq_eval import capacity
+from tq_eval.configs import ACCEPTANCE_PRESETS, BASELINE_DTYPES, INSTALLS, REFERENCE_DTYPE
+from tq_eval.logprob_metrics import PromptLogprobs, compare, perplexity
+from tq_eval.niah import summarize as summarize_niah
+
+SCHEMA = "tq-eval-report/1"
+REPORT_JSON, REPORT_MD, PLOTS_DIR, CONFIGS_DIR = "report.json", "report.md", "plots", "configs"
+NIAH_REFERENCE_MIN_ACC = 0.9
+
+KL_NOTE = (
+    "KL(bf16 || dtype) is a top-K estimate: vLLM returns only the top-K prompt logprobs, so the "
+    "distributions are compared on the tokens known under both (bf16's top-K found in the other "
+    "top-K, plus the actual next token) and one bucket holding all remaining mass. Merging "
+    "outcomes never increases KL, so the numbers are lower bounds of the true KL."
+)
+POSITIONS_NOTE = (
+    "Perplexity, KL and top-1 agreement are scored only at positions whose prediction was made "
+    "past the first prefill chunk: chunked prefill (vLLM long_prefill_token_threshold) makes every "
+    "later chunk attend to the earlier tokens through the KV cache, while first-chunk tokens "
+    "attend to fresh full-precision keys and values on the TurboQuant backends."
+)
+
+
+def _dtype_order(dtype: str) -> tuple[int, int, str]:
+    if dtype in BASELINE_DTYPES:
+        return (0, BASELINE_DTYPES.index(dtype), dtype)
+    try:
+        from turboquant_core.formats import format_names
+
+        names = format_names()
+        return (1, names.index(dtype), dtype) if dtype in names else (2, 0, dtype)
+    except ImportError:
+        return (2, 0, dtype)
+
+
+def load_results(raw_dir: Path) -> list[dict]:
+    out = []
+    for p in sorted(Path(raw_dir).glob("*/result.json")):
+        r = json.loads(p.read_text())
+        r["_dir"] = str(p.parent)
+        out.append(r)
+    return out
+
+
+def _load_logprobs(result: dict) -> PromptLogprobs | None:
+    ppl = (result.get("tasks") or {}).get("ppl") or {}
+    if "error" in ppl or not ppl.get("logprobs_file"):
+        return None
+    path = Path(result["_dir"]) / ppl["logprobs_file"]
+    if not path.is_file():
+        return None
+    from safetensors.numpy import load_file
+
+    return PromptLogprobs.from_tensors(load_file(str(path)))
+
+
+def _references(results: list[dict]) -> dict[str, dict]:
+    """bf16 reference per install: the install's own "auto" run, else the other install's."""
+    refs = {r["config"]["install"]: r for r in results
+            if r["config"]["dtype"] == REFERENCE_DTYPE and _load_logprobs(r) is not None}
+    fallback = refs.get("patched") or next(iter(refs.values()), None)
+    return {inst: refs.get(inst, fallback) for inst in INSTALLS if refs.get(inst, fallback) is not None}
+
+
+def _niah_section(result: dict) -> dict | None:
+    niah = (result.get("tasks") or {}).get("niah")
+    if not niah:
+        return None
+    summary = summarize_niah(niah.get("records", []))
+    return {"overall": summary["overall"], "by_length": summary["by_length"], "cells": summary["cells"],
+            "errors": niah.get("errors") or {}, "error": niah.get("error"),
+            "chat_template": niah.get("chat_template"), "depths": niah.get("depths"),
+            "samples_per_cell": niah.get("samples_per_cell")}
+
+
+def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, settings: dict | None = None) -> dict:
+    """The report dict of one model from ``raw_dir/<config id>/``."""
+    results = load_results(raw_dir)
+    refs = _references(results)
+    ref_lp_cache: dict[str, PromptLogprobs | None] = {}
+    rows = []
+    for r in results:
+        cfg = r["config"]
+        tasks = r.get("tasks") or {}
+        row = {
+            "id": cfg["id"], "dtype": cfg["dtype"], "install": cfg["install"], "status": r.get("status"),
+            "error": r.get("error"), "task_errors": {k: v["error"] for k, v in tasks.items()
+                                                     if isinstance(v, dict) and v.get("error")},
+            "vllm_version": (r.get("engine") or {}).get("vllm_version"),
+            "timings": {**(r.get("timings") or {}), "wall_s": r.get("wall_s")},
+        }
+        # perplexity, KL, top-1 against the bf16 reference
+        ref = refs.get(cfg["install"])
+        lp = _load_logprobs(r)
+        if lp is not None:
+            row["ppl"] = perplexity(lp.target_logprobs)
+            row["ppl_tokens"] = len(lp)
+            if ref is not None:
+                if ref["config"]["id"] not in ref_lp_cache:
+                    ref_lp_cache[ref["config"]["id"]] = _load_logprobs(ref)
+                try:
+                    cmp = compare(ref_lp_cache[ref["config"]["id"]], lp)
+                    row.update(
+                        reference=ref["config"]["id"], dppl_pct=cmp["dppl_pct"], kl_mean=cmp["kl_mean"],
+                        kl_median=cmp["kl_median"], kl_p99=cmp["kl_p99"], top1_agree=cmp["top1_agree"],
+                        ref_rest_mass_mean=cmp["ref_rest_mass_mean"], topk=cmp["topk"],
+                    )
+                except ValueError as e:
+                    row["task_errors"]["kl"] = str(e)
+        row["niah"] = _niah_section(r)
+        if "niah" not in row["task_errors"]:  # a whole-task error already says it all
+            for length, err in ((row["niah"] or {}).get("errors") or {}).items():
+                row["task_errors"][f"niah {length}"] = err
+        g = tasks.get("gsm8k")
+        row["gsm8k"] = g if g and "error" not in g else None
+        mi = model
+        row["capacity"] = {
+            "format_bytes_per_token_per_head": None if cfg["install"] == "stock" and cfg["dtype"] not in BASELINE_DTYPES
+            else capacity.bytes_per_token_per_head(cfg["dtype"], mi["head_dim"]),
+            "format_bytes_per_token": None if cfg["install"] == "stock" and cfg["dtype"] not in BASELINE_DTYPES
+            else capacity.bytes_per_token(cfg["dtype"], mi["head_dim"], mi["num_kv_heads"], mi["num_layers"]),
+            "kv_cache_tokens": (r.get("engine") or {}).get("kv_cache_tokens"),
+        }
+        rows.append(row)
+    rows.sort(key=lambda x: (x["dtype"] != REFERENCE_DTYPE, _dtype_order(x["dtype"]), INSTALLS.index(x["install"])))
+    lengths = sorted({int(k) for row in rows if row.get("niah") for k in row["niah"]["by_length"]})
+    report = {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model": model,
+        "settings": settings or {},
+        "references": {inst: r["config"]["id"] for inst, r in refs.items()},
+        "niah_lengths": lengths,
+        "rows": rows,
+        "not_run": not_run or [],
+        "notes": [KL_NOTE, POSITIONS_NOTE],
+    }
+    report["checks"] = acceptance_checks(rows)
+    # Two bf16 runs (one per install): their difference is the floor below which dPPL/KL differences
+    # are engine noise, not the KV-cache format.
+    if "stock" in refs and "patched" in refs and refs["stock"] is not refs["patched"]:
+        a, b = _load_logprobs(refs["patched"]), _load_logprobs(refs["stock"])
+        try:
+            c = compare(a, b)
+            report["bf16_noise_floor"] = {"dppl_pct": c["dppl_pct"], "kl_mean": c["kl_mean"],
+                                          "top1_agree": c["top1_agree"]}
+        except ValueError as e:
+            report["bf16_noise_floor"] = {"error": str(e)}
+    return report
+
+
+def _row(rows: list[dict], dtype: str, install: str) -> dict | None:
+    return next((r for r in rows if r["dtype"] == dtype and r["install"] == install), None)
+
+
+def _gsm8k_se(g: dict, key: str) -> float | None:
+    se = g.get(f"{key}_stderr")
+    if se is None and g.get(key) is not None and g.get("n"):
+        p = g[key]
+        se = math.sqrt(max(p * (1 - p), 0.0) / g["n"])
+    return se
+
+
+def acceptance_checks(rows: list[dict]) -> list[dict]:
+    """The issue's acceptance criteria, evaluated on this model's rows.
+
+    - ppl/KL: ours (patched) at 4bit_nc and k3v4_nc has a smaller dPPL and a smaller KL than
+      stock at the same preset, or stock could not run the model;
+    - NIAH: every patched TurboQuant config matches the bf16 accuracy at every length where
+      bf16 scores >= 90% (matches = at least as many needles found);
+    - GSM8K (informational): each config within two standard errors of bf16.
+    """
+    checks = []
+    for preset in ACCEPTANCE_PRESETS:
+        ours, stock = _row(rows, preset, "patched"), _row(rows, preset, "stock")
+        c = {"check": "ppl_kl_vs_stock", "dtype": preset}
+        if ours is None or ours.get("kl_mean") is None:
+            c.update(result="not tested", detail="no perplexity/KL for ours" + (
+                f": {ours.get('error') or ours['task_errors']}" if ours else " (not run)"))
+        elif stock is None:
+            c.update(result="not tested", detail="stock not run")
+        elif stock.get("kl_mean") is None:
+            errs = stock["task_errors"]
+            why = stock.get("error") or errs.get("ppl") or errs.get("kl") or stock["status"]
+            c.update(result="pass", detail=f"stock cannot run this model: {why}")
+        else:
+            ok = ours["dppl_pct"] < stock["dppl_pct"] and ours["kl_mean"] < stock["kl_mean"]
+            c.update(result="pass" if ok else "fail",
+                     detail=(f"dPPL ours {ours['dppl_pct']:+.3f}% vs stock {stock['dppl_pct']:+.3f}%; "
+                             f"KL ours {ours['kl_mean']:.5f} vs stock {stock['kl_mean']:.5f}"))
+        checks.append(c)
+    ref = _row(rows, REFERENCE_DTYPE, "patched") or _row(rows, REFERENCE_DTYPE, "stock")
+    ref_niah = (ref or {}).get("niah") or {}
+    strong = {L: v["acc"] for L, v in (ref_niah.get("by_length") or {}).items()
+              if v["acc"] is not None and v["acc"] >= NIAH_REFERENCE_MIN_ACC}
+    for row in rows:
+        if row["install"] != "patched" or not row["dtype"].startswith("turboquant_"):
+            continue
+        c = {"check": "niah_matches_bf16", "dtype": row["dtype"]}
+        if not ref_niah:
+            c.update(result="not tested", detail="no bf16 NIAH")
+        elif not strong:
+            c.update(result="not tested", detail="bf16 scores below 90% at every length")
+        elif not row.get("niah"):
+            c.update(result="fail", detail=f"no NIAH result: {row.get('error') or row['task_errors']}")
+        else:
+            mine = row["niah"]["by_length"]
+            bad = [L for L, acc in strong.items() if (mine.get(L) or {}).get("acc") is None or mine[L]["acc"] < acc]
+            c.update(result="fail" if bad else "pass", lengths=sorted(int(x) for x in strong),
+                     detail=("below bf16 at " + ", ".join(
+                         f"{L}: {(mine.get(L) or {}).get('acc')} < {strong[L]}" for L in bad)) if bad
+                     else "equal or better at lengths " + ", ".join(sorted(strong, key=int)))
+        checks.append(c)
+    ref_g = (ref or {}).get("gsm8k")
+    for row in rows:
+        g = row.get("gsm8k")
+        if not ref_g or not g or row is ref:
+            continue
+        for key in ("strict", "flexible"):
+            se_r, se = _gsm8k_se(ref_g, key), _gsm8k_se(g, key)
+            if g.get(key) is None or ref_g.get(key) is None or se is None or se_r is None:
+                continue
+            band = 2 * math.sqrt(se_r**2 + se**2)
+            diff = g[key] - ref_g[key]
+            checks.append({"check": f"gsm8k_{key}_within_noise", "dtype": row["dtype"], "install": row["install"],
+                           "result": "pass" if abs(diff) <= band else "fail", "informational": True,
+                           "detail": f"{diff:+.3f} vs bf16 (2 s.e. band {band:.3f})"})
+    return checks
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _f(x, spec: str, dash: str = "—") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return dash
+    return format(x, spec)
+
+
+def _pct(x) -> str:
+    return _f(None if x is None else 100 * x, ".0f") + ("%" if x is not None else "")
+
+
+def _len_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def render_markdown(report: dict) -> str:
+    m = report["model"]
+    s = report.get("settings") or {}
+    eng, tk = s.get("engine") or {}, s.get("tasks") or {}
+    lengths = report["niah_lengths"]
+    lines = [
+        f"# KV-cache quality: {m['name']}",
+        "",
+        f"Model `{m['name']}` ({m.get('architecture', '?')}: {m['num_layers']} layers, {m['num_kv_heads']} KV heads, "
+        f"head_dim {m['head_dim']}). Report created {report['created']}.",
+        "",
+    ]
+    if tk:
+        lines += [
+            (f"- Perplexity / KL / top-1: `{Path(str(tk.get('text_path'))).name}`, {tk.get('ppl_windows')} windows of "
+             f"{tk.get('ppl_window_tokens')} tokens, top-{tk.get('topk')} prompt logprobs, prefill chunk "
+             f"{eng.get('prefill_chunk')} tokens." if tk.get("text_path") else
+             "- Perplexity / KL / top-1: not run (no text given)."),
+            f"- NIAH: depths {', '.join(f'{d:g}' for d in tk.get('niah_depths') or [])} %, "
+            f"{tk.get('niah_samples')} prompts per (length, depth), exact retrieval.",
+            (f"- GSM8K: lm-eval `gsm8k`, {tk.get('gsm8k_fewshot')}-shot, limit {tk.get('gsm8k_limit')}, data "
+             f"`{tk.get('gsm8k_data')}`." if tk.get("gsm8k_data") else "- GSM8K: not run (no data given)."),
+            f"- Engine: enforce_eager={eng.get('enforce_eager')}, KV pool {eng.get('kv_cache_gib')} GiB, "
+            f"prefix caching off.",
+            "",
+        ]
+    head = (["KV-cache dtype", "install", "status", "PPL", "ΔPPL %", "KL", "top-1 agree"]
+            + [f"NIAH {_len_label(n)}" for n in lengths]
+            + ["GSM8K strict", "GSM8K flex", "B/token/head", "KV tokens", "start s"])
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for row in report["rows"]:
+        status = row["status"] or "?"
+        if row.get("error") or row.get("task_errors"):
+            notes.append(row)
+            status += f" [{len(notes)}]"
+        niah = (row.get("niah") or {}).get("by_length") or {}
+        g = row.get("gsm8k") or {}
+        cap = row.get("capacity") or {}
+        cells = [
+            f"`{row['dtype']}`", row["install"], status,
+            _f(row.get("ppl"), ".3f"), _f(row.get("dppl_pct"), "+.2f"), _f(row.get("kl_mean"), ".4f"),
+            _pct(row.get("top1_agree")),
+            *[_pct((niah.get(str(n)) or {}).get("acc")) for n in lengths],
+            _f(g.get("strict"), ".3f"), _f(g.get("flexible"), ".3f"),
+            _f(cap.get("format_bytes_per_token_per_head"), "d"), _f(cap.get("kv_cache_tokens"), ",d"),
+            _f((row.get("timings") or {}).get("engine_start_s"), ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "install: `patched` is this fork (ours), `stock` unpatched vLLM. "
+        "ΔPPL % and KL are against the bf16 (`auto`) run; KL is a top-K lower-bound estimate (see notes). "
+        "B/token/head: K+V bytes per token and KV head in this project's format table (stock rows: stock's own "
+        "layout differs, so none is given). KV tokens: vLLM's reported KV-cache capacity for the fixed KV pool.",
+        "",
+    ]
+    floor = report.get("bf16_noise_floor") or {}
+    if floor.get("kl_mean") is not None:
+        lines += [
+            f"bf16 noise floor (stock bf16 vs patched bf16): ΔPPL {floor['dppl_pct']:+.3f} %, KL "
+            f"{floor['kl_mean']:.2e}, top-1 agree {100 * floor['top1_agree']:.1f} %.",
+            "",
+        ]
+    lines += [
+        "## Acceptance checks",
+        "",
+    ]
+    for c in report.get("checks", []):
+        tag = " (informational)" if c.get("informational") else ""
+        who = f" {c['install']}" if c.get("install") else ""
+        lines.append(f"- **{c['result']}** {c['check']}{tag} `{c['dtype']}`{who}: {c.get('detail', '')}")
+    if notes:
+        lines += ["", "## Errors", ""]
+        for i, row in enumerate(notes, start=1):
+            parts = []
+            if row.get("error"):
+                parts.append(row["error"])
+            parts += [f"{k}: {v}" for k, v in (row.get("task_errors") or {}).items()]
+            text = " | ".join(p.replace("\n", " ")[:600] for p in parts)
+            lines.append(f"{i}. `{row['dtype']}` ({row['install']}): {text}")
+    if report.get("not_run"):
+        lines += ["", "Not run: " + "; ".join(f"`{x['dtype']}` on {x['install']} ({x['reason']})"
+                                              for x in report["not_run"])]
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in report.get("notes", [])]
+    plots = report.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _slim_result(result: dict) -> dict:
+    r = {k: v for k, v in result.items() if not k.startswith("_")}
+    niah = (r.get("tasks") or {}).get("niah")
+    if niah and "records" in niah:
+        # keep the per-sample outcomes (small) but not the answers' text beyond a few characters
+        niah = dict(niah)
+        niah["records"] = [{k: v for k, v in rec.items() if k != "prompt"} for rec in niah["records"]]
+        r["tasks"] = {**r["tasks"], "niah": niah}
+    return r
+
+
+def write_report(report: dict, out_dir: Path, raw_dir: Path | None = None, plots: bool = True) -> list[Path]:
+    """Write report.json, report.md, configs/*.json and plots/*.png; returns the written paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if raw_dir is not None:
+        cdir = out_dir / CONFIGS_DIR
+        cdir.mkdir(exist_ok=True)
+        for r in load_results(raw_dir):
+            p = cdir / f"{r['config']['id']}.json"
+            p.write_text(json.dumps(_slim_result(r), indent=1))
+            written.append(p)
+    report = dict(report)
+    report["plots"] = []
+    if plots:
+        try:
+            from tq_eval import plots as plot_mod
+
+            report["plots"] = [str(p.relative_to(out_dir)) for p in plot_mod.render_all(report, out_dir / PLOTS_DIR)]
+        except ImportError as e:
+            report.setdefault("notes", []).append(f"plots not drawn: {e}")
+    jp = out_dir / REPORT_JSON
+    jp.write_text(json.dumps(report, indent=1))
+    mp = out_dir / REPORT_MD
+    mp.write_text(render_markdown(report))
+    written += [jp, mp] + [out_dir / p for p in report["plots"]]
+    return written

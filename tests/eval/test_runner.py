@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's failure handling, with real processes: a config that cannot start, one that hangs,
+one that the time budget skips -- each is recorded and the suite goes on to write its report."""
+
+import importlib.util
+import json
+import stat
+
+import pytest
+from tq_eval import configs as C
+from tq_eval import runner
+
+needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                                   reason="vLLM is installed: the worker would start a real engine")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "tiny-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 2048}))
+    return d
+
+
+def test_log_parsing(tmp_path):
+    log = tmp_path / "w.log"
+    log.write_text("INFO x\nINFO [kv_cache_utils.py:1] GPU KV cache size: 1,234,567 tokens\n"
+                   "Traceback (most recent call last):\n  File \"a.py\", line 1\nValueError: bad dtype\n")
+    assert runner.kv_cache_tokens_from_log(log) == 1234567
+    assert runner.error_from_log(log) == "ValueError: bad dtype"
+    assert runner.kv_cache_tokens_from_log(tmp_path / "none.log") is None
+
+
+@needs_no_vllm
+def test_config_that_cannot_start_is_recorded(model_dir, tmp_path):
+    cfg = C.RunConfig(C.ModelInfo.from_path(model_dir), "turboquant_k3v4_nc", "patched")
+    res = runner.run_config(cfg, C.EngineSettings(), C.TaskSettings(tasks=["niah"]), tmp_path / "raw", None,
+                            timeout_s=120)
+    assert res["status"] == "error"
+    assert "No module named 'vllm'" in res["error"]
+    assert res["exit_code"] == 1 and res["log_tail"]
+    on_disk = json.loads((tmp_path / "raw" / cfg.id / "result.json").read_text())
+    assert on_disk["error"] == res["error"]
+
+
+def test_hung_config_times_out(model_dir, tmp_path):
+    fake_python = tmp_path / "hang.sh"
+    fake_python.write_text("#!/bin/sh\nsleep 60\n")
+    fake_python.chmod(fake_python.stat().st_mode | stat.S_IEXEC)
+    cfg = C.RunConfig(C.ModelInfo.from_path(model_dir), "auto", "patched")
+    res = runner.run_config(cfg, C.EngineSettings(), C.TaskSettings(), tmp_path / "raw", None,
+                            python=str(fake_python), timeout_s=1.5)
+    assert res["status"] == "error" and "timed out after 2 s" in res["error"]
+    assert res["wall_s"] < 20
+
+
+def test_time_budget_skips_configs(model_dir, tmp_path):
+    m = C.ModelInfo.from_path(model_dir)
+    plan = [C.RunConfig(m, "auto", "patched"), C.RunConfig(m, "fp8", "patched")]
+    seen = []
+    out = runner.execute(plan, C.EngineSettings(), C.TaskSettings(), {m.name: tmp_path / "raw"}, {},
+                         time_budget_s=0, on_done=lambda c, r: seen.append(c.id))
+    assert sorted(seen) == ["patched__auto", "patched__fp8"]
+    assert all(r["status"] == "skipped" for r in out.values())
+
+
+@needs_no_vllm
+def test_suite_writes_a_report_when_every_config_fails(model_dir, tmp_path):
+    import run_quality
+
+    rc = run_quality.main(["--model", str(model_dir), "--dtypes", "auto,turboquant_4bit_nc",
+                           "--installs", "stock,patched", "--tasks", "niah", "--out", str(tmp_path / "res"),
+                           "--run-name", "r1", "--no-plots", "--config-timeout", "120"])
+    assert rc == 0
+    run_dir = tmp_path / "res" / "tiny-model" / "r1"
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert {r["id"] for r in rep["rows"]} == {"patched__auto", "patched__turboquant_4bit_nc",
+                                             "stock__turboquant_4bit_nc"}
+    assert all(r["status"] == "error" and "vllm" in r["error"] for r in rep["rows"])
+    md = (run_dir / "report.md").read_text()
+    assert "No module named 'vllm'" in md
+    assert "same Python path" in md  # stock and patched would run the same vLLM here
+    assert (run_dir / "configs" / "stock__turboquant_4bit_nc.json").is_file()
+
+
+def test_dry_run_and_bad_arguments(model_dir, capsys):
+    import run_quality
+
+    assert run_quality.main(["--model", str(model_dir), "--dtypes", "auto,fp8", "--dry-run"]) == 0
+    assert "2 configs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown KV-cache dtype 'int3'"):
+        run_quality.main(["--model", str(model_dir), "--dtypes", "int3", "--dry-run"])
+    with pytest.raises(SystemExit, match="needs --online"):
+        run_quality.main(["--model", str(model_dir), "--gsm8k", "hub", "--dry-run"])
