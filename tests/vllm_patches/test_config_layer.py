@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The patched vLLM config layer, without a GPU: --kv-cache-dtype choices, CacheConfig validation,
+KV-cache specs priced by turboquant_core's format table, and the backend's cache shape.
+
+Runs only where a vLLM 0.26.0 patched by scripts/patches.py is importable (see
+vllm_patches/README.md for the CPU recipe); skips otherwise, saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from turboquant_core.formats import KV_FORMATS, get_format
+
+PATCH_MARKER = "_aither_tq_patches.txt"
+NEW_FORMATS = [name for name, fmt in KV_FORMATS.items() if fmt.origin == "new"]
+
+
+def _patched_vllm_dir() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed (CPU recipe: vllm_patches/README.md)")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    if not (pkg / PATCH_MARKER).is_file():
+        pytest.skip(f"vllm at {pkg} is not patched: run `python scripts/patches.py apply --installed`")
+    return pkg
+
+
+def _select_cpu_platform_if_none_detected() -> None:
+    """vLLM's CUDA wheel on a machine without a GPU detects no platform ("unspecified"), and its
+    DeviceConfig (built while EngineArgs collects defaults) then refuses to start. vLLM's own CPU
+    platform describes such a machine, so select it explicitly, as vLLM's CPU build does itself."""
+    import vllm.platforms as platforms
+
+    if "current_platform" in vars(platforms):
+        return  # chosen already
+    if platforms.resolve_current_platform_cls_qualname().endswith(".UnspecifiedPlatform"):
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms.current_platform = CpuPlatform()
+
+
+@pytest.fixture(scope="module")
+def vllm_modules():
+    _patched_vllm_dir()
+    try:
+        _select_cpu_platform_if_none_detected()
+        from vllm.config import CacheConfig
+        from vllm.engine import arg_utils
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as e:  # a dependency of vLLM's config layer is missing
+        pytest.skip(f"patched vllm is installed but its config layer does not import: {e}")
+    return CacheConfig, arg_utils, FlexibleArgumentParser
+
+
+@pytest.fixture(scope="module")
+def parser(vllm_modules):
+    _, arg_utils, flexible_parser = vllm_modules
+    return arg_utils.EngineArgs.add_cli_args(flexible_parser())
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", *NEW_FORMATS])
+def test_cli_accepts_turboquant_dtypes(parser, name):
+    assert parser.parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name
+
+
+def test_cli_rejects_unknown_turboquant_dtype(parser, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--kv-cache-dtype", "turboquant_bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "turboquant_bogus" in err and "invalid choice" in err
+    assert all(name in err for name in KV_FORMATS)  # the valid choices are listed
+
+
+@pytest.mark.parametrize("name", list(KV_FORMATS))
+def test_cache_config_accepts_every_format(vllm_modules, name):
+    cache_config_cls = vllm_modules[0]
+    assert cache_config_cls(cache_dtype=name).cache_dtype == name
+
+
+def test_cache_config_rejects_unknown_turboquant_name(vllm_modules):
+    cache_config_cls = vllm_modules[0]
+    with pytest.raises(ValueError) as exc:
+        cache_config_cls(cache_dtype="turboquant_bogus")
+    msg = str(exc.value)
+    assert "turboquant_bogus" in msg and "valid formats" in msg
+    assert all(name in msg for name in KV_FORMATS)
+
+
+def test_cache_dtype_literal_matches_format_table(vllm_modules):
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    names = {n for n in typing.get_args(CacheDType) if n.startswith("turboquant_")}
+    assert names == set(KV_FORMATS)
+    import torch
+
+    assert all(STR_DTYPE_TO_TORCH_DTYPE[n] is torch.uint8 for n in KV_FORMATS)
+
+
+def test_boundary_layers_env(vllm_modules, monkeypatch):
+    arg_utils = vllm_modules[1]
+    monkeypatch.delenv("TQ_BOUNDARY_LAYERS", raising=False)
+    assert arg_utils._tq_boundary_layers_from_env() == 0
+    monkeypatch.setenv("TQ_BOUNDARY_LAYERS", "2")
+    assert arg_utils._tq_boundary_layers_from_env() == 2
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("TQ_BOUNDARY_LAYERS", bad)
+        with pytest.raises(ValueError, match="TQ_BOUNDARY_LAYERS"):
+            arg_utils._tq_boundary_layers_from_env()
+
+
+@pytest.mark.parametrize("name", list(KV_FORMATS))
+@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+def test_specs_priced_by_format_table(vllm_modules, name, head_size):
+    import torch
+    from vllm.model_executor.layers.quantization.turboquant.config import tq_slot_size
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec, TQSlidingWindowSpec, is_tq_attention_spec
+
+    slot = tq_slot_size(name, head_size)
+    assert slot == get_format(name).bytes_per_token_per_head(head_size)
+    common = dict(block_size=32, num_kv_heads=3, head_size=head_size, dtype=torch.uint8, tq_slot_size=slot)
+    full = TQFullAttentionSpec(head_size_v=head_size, **common)
+    sliding = TQSlidingWindowSpec(sliding_window=512, **common)
+    assert full.page_size_bytes == sliding.page_size_bytes == 32 * 3 * slot
+    assert is_tq_attention_spec(full) and is_tq_attention_spec(sliding)
+
+
+def test_sliding_spec_registration_and_fallback(vllm_modules):
+    import torch
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec, TQSlidingWindowSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    common = dict(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.uint8, tq_slot_size=228)
+    sliding = TQSlidingWindowSpec(sliding_window=512, **common)
+    full = TQFullAttentionSpec(head_size_v=256, **common)
+    KVCacheSpecRegistry._ensure_registered()
+    assert KVCacheSpecRegistry.get_manager_class(sliding) is SlidingWindowManager
+    assert KVCacheSpecRegistry.get_manager_class(full) is FullAttentionManager
+
+    # Hybrid manager disabled: sliding layers become full-attention specs that keep
+    # the TurboQuant page size and their window.
+    specs = {"layers.0.attn": sliding, "layers.5.attn": full}
+    unify_hybrid_kv_cache_specs(specs)
+    converted = specs["layers.0.attn"]
+    assert isinstance(converted, TQFullAttentionSpec)
+    assert converted.sliding_window == 512 and converted.page_size_bytes == full.page_size_bytes
+
+
+def test_backend_cache_shape(vllm_modules):
+    pytest.importorskip("triton")
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.backends.tq_attn import TQAttentionBackend
+    except ImportError as e:
+        pytest.skip(f"the TurboQuant backend module does not import here: {e}")
+    from turboquant_core.ops.paged import paged_layout
+
+    assert AttentionBackendEnum.TURBOQUANT.get_path() == "vllm.v1.attention.backends.tq_attn.TQAttentionBackend"
+    assert TQAttentionBackend.get_name() == "TURBOQUANT"
+    for name in KV_FORMATS:
+        for block_size in TQAttentionBackend.get_supported_kernel_block_sizes():
+            shape = TQAttentionBackend.get_kv_cache_shape(7, block_size, 4, 128, name)
+            assert shape == (7, 4, paged_layout(name, 128, block_size).head_page_bytes)
+            # The page the spec prices is the page the backend allocates.
+            assert shape[1] * shape[2] == block_size * 4 * get_format(name).bytes_per_token_per_head(128)
+    with pytest.raises(ValueError, match="turboquant_"):
+        TQAttentionBackend.get_kv_cache_shape(7, 16, 4, 128, "auto")
+    assert TQAttentionBackend.supports_kv_cache_dtype("turboquant_2bit_nc")
+    assert not TQAttentionBackend.supports_kv_cache_dtype("fp8")
+    assert TQAttentionBackend.supports_sliding_window()

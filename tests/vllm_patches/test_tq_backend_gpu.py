@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The patched vLLM's TurboQuant backend (vllm/v1/attention/backends/tq_attn.py) on a GPU:
+builder + impl against a float64 reference built from turboquant_core's dequantization.
+
+Decode rows attend to every cached token (the step's token is read back from the cache);
+prefill rows attend to their cached context (dequantized) plus the fresh bf16 K/V. Also: a
+decode batch captured in a CUDA graph and replayed after the cache and lengths changed.
+Needs CUDA, vLLM 0.26.0 patched by scripts/patches.py, and vLLM's FlashAttention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from turboquant_core.formats import get_format
+from turboquant_core.ops.paged import dequant_cached_ref, paged_layout
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def tq_attn():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed")
+    if not (Path(list(spec.submodule_search_locations)[0]) / "_aither_tq_patches.txt").is_file():
+        pytest.skip("vllm is not patched: run `python scripts/patches.py apply --installed`")
+    from vllm.v1.attention.backends import tq_attn as module
+
+    if not module.is_flash_attn_varlen_func_available():
+        pytest.skip("vLLM's FlashAttention is not available")
+    return module
+
+
+def make_backend(tq_attn, fmt, *, num_heads, num_kv_heads, head_size, block_size, window=None, scale=None,
+                 max_model_len=4096):
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec
+
+    scale = scale if scale is not None else head_size ** -0.5
+    impl = tq_attn.TQAttentionImpl(num_heads, head_size, scale, num_kv_heads, None, window, fmt)
+    layer = SimpleNamespace(impl=impl)
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=fmt),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        speculative_config=None,
+        compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}),
+    )
+    spec = TQFullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                               head_size_v=head_size, dtype=torch.uint8,
+                               tq_slot_size=get_format(fmt).bytes_per_token_per_head(head_size))
+    builder = tq_attn.TQAttentionMetadataBuilder(spec, ["layers.0.attn"], vllm_config, torch.device(DEVICE))
+    return impl, layer, builder
+
+
+class Batch:
+    """Requests (context_len, query_len), decodes (query_len 1) first, on a random paged layout."""
+
+    def __init__(self, requests, *, num_heads, num_kv_heads, head_size, block_size, num_blocks, gen):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        dev = DEVICE
+        self.requests = requests
+        seq_lens = [c + q for c, q in requests]
+        max_blocks = max(math.ceil(s / block_size) for s in seq_lens) + 1
+        perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 stays unused
+        assert len(requests) * max_blocks <= num_blocks - 1
+        self.block_table = perm[: len(requests) * max_blocks].view(len(requests), max_blocks).to(torch.int32)
+        qsl = [0]
+        for _, q in requests:
+            qsl.append(qsl[-1] + q)
+        self.qsl = qsl
+        self.num_tokens = qsl[-1]
+
+        def slots(r, positions):
+            return [int(self.block_table[r, p // block_size]) * block_size + p % block_size for p in positions]
+
+        self.context_slots = torch.tensor([s for r, (c, _) in enumerate(requests) for s in slots(r, range(c))],
+                                          dtype=torch.int64, device=dev)
+        self.step_slots = torch.tensor([s for r, (c, q) in enumerate(requests) for s in slots(r, range(c, c + q))],
+                                       dtype=torch.int64, device=dev)
+        n_ctx = sum(c for c, _ in requests)
+        self.k_ctx = torch.randn(n_ctx, num_kv_heads, head_size, generator=gen).to(dev, torch.bfloat16)
+        self.v_ctx = torch.randn(n_ctx, num_kv_heads, head_size, generator=gen).to(dev, torch.bfloat16)
+        self.q = torch.randn(self.num_tokens, num_heads, head_size, generator=gen).to(dev, torch.bfloat16)
+        self.k = torch.randn(self.num_tokens, num_kv_heads, head_size, generator=gen).to(dev, torch.bfloat16)
+        self.v = torch.randn(self.num_tokens, num_kv_heads, head_size, generator=gen).to(dev, torch.bfloat16)
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        self.cam = CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(dev),
+            num_reqs=len(requests), num_actual_tokens=self.num_tokens, max_query_len=max(q for _, q in requests),
+            max_seq_len=max(seq_lens), block_table_tensor=self.block_table.to(dev), slot_mapping=self.step_slots,
+            seq_lens_cpu_upper_bound=seq_cpu)
+
+
+def fill_and_run(impl, layer, builder, batch, cache, *, cudagraph=False):
+    if batch.context_slots.numel():
+        impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
+    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
+    md = builder.build_for_cudagraph_capture(batch.cam) if cudagraph else builder.build(0, batch.cam)
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
+    return out
+
+
+def reference(batch, cache, layout, scale, window):
+    """float64 attention: decode rows over the dequantized cache, prefill rows over the dequantized
+    context plus their fresh bf16 K/V."""
+    hq, d = batch.q.shape[1], batch.q.shape[2]
+    out = torch.zeros(batch.num_tokens, hq, d, dtype=torch.float64, device=DEVICE)
+    for r, (ctx, ql) in enumerate(batch.requests):
+        t0 = batch.qsl[r]
+        row = batch.block_table[r].to(DEVICE)
+        if ql == 1:
+            k, v = dequant_cached_ref(cache, layout, row, ctx + 1)
+        else:
+            kc, vc = dequant_cached_ref(cache, layout, row, ctx)
+            k = torch.cat([kc, batch.k[t0:t0 + ql].float()])
+            v = torch.cat([vc, batch.v[t0:t0 + ql].float()])
+        g = hq // k.shape[1]
+        k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+        pos_q = ctx + torch.arange(ql, device=DEVICE)
+        pos_k = torch.arange(ctx + ql, device=DEVICE)
+        mask = pos_k[None, :] <= pos_q[:, None]
+        if window is not None:
+            mask &= pos_k[None, :] > pos_q[:, None] - window
+        s = torch.einsum("qhd,khd->hqk", batch.q[t0:t0 + ql].double(), k) * scale
+        p = torch.softmax(s.masked_fill(~mask[None], float("-inf")), dim=-1)
+        out[t0:t0 + ql] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def _check(out, ref, what):
+    err = (out.double() - ref).abs().max().item()
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    assert err < 3e-2, f"{what}: max abs error {err:.4f}"
+
+
+@pytest.mark.parametrize("fmt,head_size", [("turboquant_k3v4_nc", 128), ("turboquant_2bit_nc", 128),
+                                           ("turboquant_k8v4", 64), ("turboquant_3p5bit_nc", 80),
+                                           ("turboquant_k3v2_nc", 256)])
+def test_decode_batch(tq_attn, fmt, head_size):
+    gen = torch.Generator().manual_seed(1)
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16)
+    impl, layer, builder = make_backend(tq_attn, fmt, **kw)
+    batch = Batch([(0, 1), (37, 1), (300, 1), (1000, 1)], num_blocks=400, gen=gen, **kw)
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(400, 16, 2, head_size, fmt),
+                        dtype=torch.uint8, device=DEVICE)
+    out = fill_and_run(impl, layer, builder, batch, cache)
+    _check(out, reference(batch, cache, paged_layout(fmt, head_size, 16), impl.scale, None), f"{fmt} d={head_size}")
+
+
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_mixed_batch(tq_attn, window, block_size):
+    fmt, d = "turboquant_k3v4_nc", 128
+    gen = torch.Generator().manual_seed(2)
+    kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=block_size)
+    impl, layer, builder = make_backend(tq_attn, fmt, window=window, scale=0.07, **kw)
+    # two decodes, a first chunk (no context), a later chunk, a prefix hit with a short tail
+    requests = [(55, 1), (130, 1), (0, 37), (100, 29), (211, 5)]
+    batch = Batch(requests, num_blocks=64 if block_size == 64 else 256, gen=gen, **kw)
+    nb = batch.block_table.max().item() + 1
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(max(nb, 64), block_size, 4, d, fmt),
+                        dtype=torch.uint8, device=DEVICE)
+    out = fill_and_run(impl, layer, builder, batch, cache)
+    _check(out, reference(batch, cache, paged_layout(fmt, d, block_size), 0.07, window),
+           f"window={window} block={block_size}")
+
+
+def test_prefill_without_context_writes_output_directly(tq_attn):
+    fmt, d = "turboquant_4bit_nc", 128
+    gen = torch.Generator().manual_seed(3)
+    kw = dict(num_heads=8, num_kv_heads=8, head_size=d, block_size=32)
+    impl, layer, builder = make_backend(tq_attn, fmt, **kw)
+    batch = Batch([(0, 50), (0, 3)], num_blocks=16, gen=gen, **kw)
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(16, 32, 8, d, fmt), dtype=torch.uint8,
+                        device=DEVICE)
+    out = fill_and_run(impl, layer, builder, batch, cache)
+    _check(out, reference(batch, cache, paged_layout(fmt, d, 32), impl.scale, None), "first chunks")
+
+
+def test_profiling_run_zero_fills(tq_attn):
+    impl, layer, _ = make_backend(tq_attn, "turboquant_k3v4_nc", num_heads=4, num_kv_heads=2, head_size=128,
+                                  block_size=16)
+    out = torch.full((5, 4, 128), 3.0, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.zeros_like(out)
+    impl.forward(layer, q, q[:, :2], q[:, :2], torch.empty(0, device=DEVICE), None, output=out)
+    assert out.abs().sum().item() == 0
+
+
+def test_decode_cuda_graph_replay(tq_attn):
+    fmt, d, bs = "turboquant_k3v4_nc", 128, 16
+    gen = torch.Generator().manual_seed(4)
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=d, block_size=bs)
+    impl, layer, builder = make_backend(tq_attn, fmt, **kw)
+    batch = Batch([(20, 1), (300, 1), (700, 1)], num_blocks=300, gen=gen, **kw)
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(300, bs, 2, d, fmt), dtype=torch.uint8,
+                        device=DEVICE)
+    fill_and_run(impl, layer, builder, batch, cache)  # compiles the kernels outside the capture
+    md = builder.build_for_cudagraph_capture(batch.cam)
+    out = torch.zeros_like(batch.q)
+    q_static = batch.q.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        impl.forward(layer, q_static, batch.k, batch.v, cache, md, output=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, q_static, batch.k, batch.v, cache, md, output=out)
+
+    # Next step: every request one token longer, new queries; same metadata buffers.
+    for step in range(2):
+        new_lens = [c + 2 + step for c, _ in batch.requests]
+        slots = torch.tensor([int(batch.block_table[r, (n - 1) // bs]) * bs + (n - 1) % bs
+                              for r, n in enumerate(new_lens)], dtype=torch.int64, device=DEVICE)
+        k_new = torch.randn(3, 2, d, generator=gen).to(DEVICE, torch.bfloat16)
+        impl.do_kv_cache_update(layer, k_new, k_new.flip(-1), cache, slots)
+        batch.cam.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q_static.copy_(torch.randn(3, 8, d, generator=gen).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        eager = torch.zeros_like(out)
+        cam = batch.cam.replace(max_seq_len=max(new_lens),
+                                seq_lens_cpu_upper_bound=torch.tensor(new_lens, dtype=torch.int32))
+        impl.forward(layer, q_static, batch.k, batch.v, cache, builder.build(0, cam), output=eager)
+        torch.testing.assert_close(out, eager, atol=2e-3, rtol=2e-3)
