@@ -6,7 +6,8 @@ Each configuration runs in its own subprocess (GPU memory is freed between them)
 PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
 
     python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b \
-        --configs bf16=patched:auto,fp8=patched:fp8,stock-k3v4=stock:turboquant_k3v4_nc,ours-k3v4=patched:turboquant_k3v4_nc \
+        --configs bf16=patched:auto,fp8=patched:fp8,stock-k3v4=stock:turboquant_k3v4_nc,\
+ours-k3v4=patched:turboquant_k3v4_nc \
         --pythonpath-stock DIR --pythonpath-patched DIR --scenarios 1024x256x64,8192x256x32 --out results.json
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
@@ -80,8 +81,8 @@ def worker(args: argparse.Namespace) -> None:
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append(dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
                          output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el))
-    print("TQ_BENCH_RESULT " + json.dumps(dict(
-        startup_s=startup, num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)), flush=True)
+    result = dict(startup_s=startup, num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)
+    print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
 
 def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict:
