@@ -68,22 +68,25 @@ def _scaled_density(dim: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _lloyd_max(s: np.ndarray, p: np.ndarray, levels: int) -> tuple[np.ndarray, float]:
-    """Lloyd iterations on a grid; returns centroids and distortion."""
+    """Lloyd iterations on a grid; returns centroids and distortion.
+
+    Cell masses and first moments are cumulative trapezoid integrals interpolated linearly at the
+    boundaries, so a boundary that moves by less than a grid step still moves the centroids:
+    snapping boundaries to grid points stalls the (slowly contracting) iteration short of the
+    fixed point, by ~7e-4 in the 4-bit centroids.
+    """
     ds = s[1] - s[0]
     w = p * ds
-    cw = np.concatenate([[0.0], np.cumsum(w)])
-    cws = np.concatenate([[0.0], np.cumsum(w * s)])
-    cdf = cw[1:] / cw[-1]
+    cw = np.concatenate([[0.0], np.cumsum(0.5 * (w[1:] + w[:-1]))])
+    cws = np.concatenate([[0.0], np.cumsum(0.5 * (w[1:] * s[1:] + w[:-1] * s[:-1]))])
     # Start from quantiles: converges to the global optimum for log-concave densities.
-    c = np.interp((np.arange(levels) + 0.5) / levels, cdf, s)
-    for _ in range(10_000):
-        b = 0.5 * (c[1:] + c[:-1])
-        cut = np.searchsorted(s, b)
-        lo = np.concatenate([[0], cut])
-        hi = np.concatenate([cut, [len(s)]])
-        mass = cw[hi] - cw[lo]
-        new = (cws[hi] - cws[lo]) / np.maximum(mass, 1e-300)
-        if np.max(np.abs(new - c)) < 1e-12:
+    c = np.interp((np.arange(levels) + 0.5) / levels, cw / cw[-1], s)
+    for _ in range(100_000):
+        edges = np.concatenate([[s[0]], 0.5 * (c[1:] + c[:-1]), [s[-1]]])
+        mass = np.diff(np.interp(edges, s, cw))
+        new = np.diff(np.interp(edges, s, cws)) / np.maximum(mass, 1e-300)
+        # Lloyd contracts slowly (factor near 1 at 16 levels): stop only when steps are at rounding level.
+        if np.max(np.abs(new - c)) < 1e-14:
             c = new
             break
         c = new
@@ -93,7 +96,7 @@ def _lloyd_max(s: np.ndarray, p: np.ndarray, levels: int) -> tuple[np.ndarray, f
     return c, mse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lloyd_max_codebook(bits: int, dim: int | None = None) -> Codebook:
     """The Lloyd-Max codebook for ``bits`` bits and head dimension ``dim``.
 

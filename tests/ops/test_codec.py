@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fused Triton encode/decode vs the plain-torch references (interpreter on CPU, kernels on CUDA)."""
+
+import math
+
+import pytest
+import torch
+
+from turboquant_core.codebooks import codebook_tensors
+from turboquant_core.ops.codec import decode, decode_ref, encode, encode_ref, unpack_segments
+from turboquant_core.quantizer import split_segments
+from turboquant_core.rotation import SUPPORTED_HEAD_DIMS, rotate
+
+BITS = (2, 2.5, 3, 3.5, 4)
+SEED = 0x7C01
+# Kernel and reference compute the rotation in different orders; a scaled coordinate this close to
+# a decision boundary may legitimately fall on either side.
+BOUNDARY_EPS = 1e-4
+
+
+def _rows(n, dim, seed, device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    # Norms over six decades: the codec must not care.
+    x = x * torch.logspace(-3, 3, n)[torch.randperm(n, generator=g)][:, None] if n > 1 else x
+    return x.to(device=device, dtype=dtype)
+
+
+def near_boundary(x: torch.Tensor, bits: float, seed: int) -> torch.Tensor:
+    """[N, d] bool, rotated order: where the reference's scaled coordinate is within BOUNDARY_EPS of a boundary."""
+    d = x.shape[-1]
+    xf = x.float().reshape(-1, d)
+    norm = xf.norm(dim=-1, keepdim=True)
+    s = rotate(xf, seed) * torch.where(norm > 0, math.sqrt(d) / norm, torch.zeros_like(norm))
+    parts, start = [], 0
+    for n, b in split_segments(d, bits):
+        _, bnd = codebook_tensors(b, d, xf.device)
+        seg = s[:, start : start + n]
+        parts.append((seg[..., None] - bnd).abs().amin(dim=-1) < BOUNDARY_EPS)
+        start += n
+    return torch.cat(parts, dim=-1)
+
+
+def check_encode(x: torch.Tensor, bits: float, seed: int = SEED, norm_correction: bool = True):
+    d = x.shape[-1]
+    packed, scale = encode(x, bits, seed, norm_correction)
+    ref_packed, ref_scale = encode_ref(x, bits, seed, norm_correction)
+    assert packed.dtype == torch.uint8 and scale.dtype == torch.float16
+    assert packed.shape == ref_packed.shape == (*x.shape[:-1], round(d * bits / 8))
+    assert scale.shape == ref_scale.shape == x.shape[:-1]
+    packed, scale = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1)
+    ref_packed, ref_scale = ref_packed.reshape(packed.shape), ref_scale.reshape(-1)
+
+    near = near_boundary(x, bits, seed)
+    differ = unpack_segments(packed, d, bits) != unpack_segments(ref_packed, d, bits)
+    assert not (differ & ~near).any(), f"{int((differ & ~near).sum())} indices differ away from a boundary"
+    clean = ~near.any(dim=-1)
+    assert torch.equal(packed[clean], ref_packed[clean])
+    # The scale is a norm ratio summed in another order: equal up to one fp16 rounding step.
+    torch.testing.assert_close(scale[clean].float(), ref_scale[clean].float(), rtol=2**-10, atol=0)
+    return packed, scale, ref_packed, ref_scale
+
+
+def check_decode(packed, scale, dim, bits, seed=SEED, dtype=torch.float32):
+    out = decode(packed, scale, dim, bits, seed, dtype)
+    ref = decode_ref(packed, scale, dim, bits, seed, torch.float32)
+    assert out.dtype == dtype and out.shape == (*packed.shape[:-1], dim)
+    # Relative to each vector's norm (scale * ||c||, roughly scale * sqrt(d)).
+    tol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    atol = tol * scale.float().reshape(*scale.shape, 1) * math.sqrt(dim)
+    err = (out.float() - ref).abs()
+    assert torch.all(err <= atol + tol * ref.abs()), float((err - atol).max())
+    return out
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dim", SUPPORTED_HEAD_DIMS)
+def test_encode_decode_match_reference_every_dim_and_bits(device, dim, bits):
+    n = 9 if dim == 512 else 37
+    x = _rows(n, dim, seed=dim, device=device)
+    _, _, ref_packed, ref_scale = check_encode(x, bits)
+    check_decode(ref_packed, ref_scale, dim, bits)
+
+
+@pytest.mark.parametrize("n", [1, 37, 97])
+@pytest.mark.parametrize("dim,bits", [(80, 2.5), (128, 3), (128, 3.5), (192, 2)])
+def test_odd_row_counts(device, n, dim, bits):
+    x = _rows(n, dim, seed=n, device=device)
+    _, _, ref_packed, ref_scale = check_encode(x, bits)
+    check_decode(ref_packed, ref_scale, dim, bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim,bits", [(64, 4), (112, 3.5), (128, 2), (256, 2.5)])
+def test_input_and_output_dtypes(device, dtype, dim, bits):
+    x = _rows(21, dim, seed=3, device=device).clamp(-6e4, 6e4).to(dtype)
+    _, _, ref_packed, ref_scale = check_encode(x, bits)
+    check_decode(ref_packed, ref_scale, dim, bits, dtype=dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 3.5, 4])
+def test_without_norm_correction(device, bits):
+    x = _rows(37, 96, seed=5, device=device)
+    check_encode(x, bits, norm_correction=False)
+
+
+@pytest.mark.parametrize("dim,bits", [(64, 2), (80, 3.5), (128, 3), (512, 2.5)])
+def test_zero_vectors_encode_to_zero_scale_and_decode_to_zero(device, dim, bits):
+    x = _rows(5, dim, seed=1, device=device)
+    x[1] = 0
+    x[4] = 0
+    packed, scale = encode(x, bits, SEED)
+    assert scale[1].item() == 0 and scale[4].item() == 0
+    out = decode(packed, scale, dim, bits, SEED)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
+    check_encode(x, bits)
+
+
+def test_leading_dims_and_strided_rows(device):
+    wide = _rows(3 * 5, 128 + 16, seed=2, device=device).reshape(3, 5, 144)
+    x = wide[..., :128]  # rows 144 elements apart: the kernel must honour the row stride
+    assert not x.is_contiguous()
+    packed, scale, _, _ = check_encode(x, 3)
+    packed3, scale3 = encode(x, 3, SEED)
+    assert packed3.shape == (3, 5, 48) and scale3.shape == (3, 5)
+    out = check_decode(packed3, scale3, 128, 3)
+    assert out.shape == (3, 5, 128)
+
+
+def test_empty_batch(device):
+    x = torch.zeros(0, 128, device=device)
+    packed, scale = encode(x, 3, SEED)
+    assert packed.shape == (0, 48) and scale.shape == (0,)
+    assert decode(packed, scale, 128, 3, SEED).shape == (0, 128)
+
+
+def test_decode_round_trip_error_matches_quantizer_theory(device):
+    # End to end through the kernels: relative squared error near the 4-bit Lloyd-Max value at d=128.
+    x = _rows(512, 128, seed=7, device=device)
+    packed, scale = encode(x, 4, SEED)
+    out = decode(packed, scale, 128, 4, SEED)
+    rel = ((out - x) ** 2).sum(-1) / (x**2).sum(-1)
+    assert rel.mean().item() == pytest.approx(0.0093, rel=0.15)
+
+
+def test_shape_errors(device):
+    with pytest.raises(ValueError, match="expected 48 packed bytes for d=128, bits=3, got 40"):
+        decode(torch.zeros(2, 40, dtype=torch.uint8, device=device), torch.zeros(2, device=device), 128, 3, SEED)
+    with pytest.raises(ValueError, match="supported head dims"):
+        encode(torch.zeros(2, 100, device=device), 3, SEED)
+    with pytest.raises(ValueError, match="MSE bits must be one of"):
+        encode(torch.zeros(2, 128, device=device), 5, SEED)

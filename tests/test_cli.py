@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from turboquant_core.cli import EVAL_PPL_MODULE, format_table, main, presets_table
+from turboquant_core.formats import KV_FORMATS
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "hidden_size": 4096}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_presets_table_text(capsys):
+    code, out, _ = run(capsys, "presets")
+    assert code == 0
+    lines = out.splitlines()
+    assert "head_dim=128" in lines[0] and "bf16 = 512" in lines[0] and "fp8 = 256" in lines[0]
+    body = {line.split()[0]: line.split() for line in lines[3:]}
+    assert list(body) == list(KV_FORMATS)
+    expected = {"turboquant_k8v4": "194", "turboquant_k3v4_nc": "116", "turboquant_2bit_nc": "68"}
+    for name, nbytes in expected.items():
+        assert f" {nbytes} " in f" {' '.join(body[name])} "
+    assert "stock" in body["turboquant_k3v4_nc"] and "new" in body["turboquant_k3v2_nc"]
+
+
+def test_presets_json(capsys):
+    code, out, _ = run(capsys, "presets", "--head-dim", "64", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["head_dim"] == 64 and data["bf16_bytes"] == 256 and data["fp8_bytes"] == 128
+    rows = {r["name"]: r for r in data["presets"]}
+    assert rows["turboquant_3bit_nc"]["bytes_per_token_per_head"] == 2 * (24 + 2)
+    assert rows["turboquant_3bit_nc"]["vs_fp8"] == pytest.approx(128 / 52)
+    assert rows["turboquant_3bit_nc"]["bits_per_coord"] == pytest.approx(52 * 8 / 128)
+    assert rows["turboquant_k8v4"]["key"] == "fp8 e4m3 (rotated)"
+
+
+def test_presets_table_function_matches_formats():
+    for row in presets_table(96):
+        f = KV_FORMATS[row["name"]]
+        assert row["bytes_per_token_per_head"] == f.bytes_per_token_per_head(96)
+        assert row["vs_bf16"] == pytest.approx(f.compression_vs_bf16(96))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["presets", "--head-dim", "100"], "supported head dims: 64, 80, 96, 112, 128, 192, 256, 512"),
+    (["validate", "--dims", "64,65"], "supported head dims: 64, 80"),
+    (["validate", "--presets", "turboquant_5bit"], "valid presets: turboquant_k8v4, turboquant_4bit_nc"),
+    (["validate", "--vectors", "0"], "positive integer"),
+    (["validate", "--backend", "cuda"], "invalid choice: 'cuda'"),
+    (["bench", "--bits", "3,5"], "valid bits: 2, 2.5, 3, 3.5, 4"),
+    (["bench", "--dim", "48"], "supported head dims"),
+    (["memory", "--context", "10"], "--config"),
+    (["memory", "--config", "x.json", "--context", "-1"], "positive integer"),
+    (["nonsense"], "invalid choice"),
+    ([], "required"),
+])
+def test_bad_arguments_exit_2_naming_choices(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for cmd in ("presets", "validate", "bench", "memory", "eval-ppl"):
+        assert cmd in out
+
+
+def test_validate_json_small(capsys):
+    code, out, _ = run(capsys, "validate", "--dims", "64", "--vectors", "3000", "--presets", "turboquant_3bit_nc",
+                       "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["ok"] and data["backend"] == "reference" and data["vectors"] == 3000
+    assert [(r["preset"], r["component"]) for r in data["presets"]] == [("turboquant_3bit_nc", "K"),
+                                                                         ("turboquant_3bit_nc", "V")]
+    assert [r["bits"] for r in data["qjl"]] == [2, 3, 4]
+    assert all(r["unbiased"] for r in data["qjl"])
+
+
+def test_validate_text_and_failure_exit_code(capsys):
+    argv = ["validate", "--dims", "80", "--vectors", "500", "--presets", "turboquant_k3v2_nc", "--no-qjl"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and out.rstrip().endswith("PASS")
+    assert "turboquant_k3v2_nc" in out and "2-bit Lloyd-Max +nc" in out and "QJL" not in out
+    code, out, _ = run(capsys, *argv, "--tolerance", "1e-9")
+    assert code == 1 and out.rstrip().endswith("FAIL")
+
+
+def test_validate_triton_backend_in_interpreter_or_on_gpu(capsys):
+    code, out, _ = run(capsys, "validate", "--dims", "64", "--vectors", "200", "--presets", "turboquant_2bit_nc",
+                       "--backend", "triton", "--no-qjl", "--json")
+    assert code == 0
+    assert json.loads(out)["backend"] == "triton"
+
+
+def test_bench_json_and_out_file(capsys, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, err = run(capsys, "bench", "--vectors", "32", "--dim", "64", "--bits", "3", "--json", "--out",
+                         str(out_file))
+    assert code == 0
+    data = json.loads(out)
+    assert json.loads(out_file.read_text()) == data
+    assert data["command"] == f"tq bench --vectors 32 --dim 64 --bits 3 --json --out {out_file}"
+    assert [r["op"] for r in data["results"]] == ["encode", "decode"]
+    if data["device_type"] == "cpu":
+        assert "warning: no CUDA device" in err
+
+
+def test_bench_text(capsys):
+    code, out, _ = run(capsys, "bench", "--vectors", "16", "--dim", "64", "--bits", "2.5")
+    assert code == 0
+    assert "copy_ bandwidth" in out and "encode  2.5" in out and "decode  2.5" in out
+
+
+def test_memory_text_and_json(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    code, out, _ = run(capsys, "memory", "--config", str(cfg), "--context", "32768", "--batch", "4",
+                       "--gpu-mem-gb", "20")
+    assert code == 0
+    assert "32 layers" in out and "head_dim 128" in out and "40960" in out
+    code, out, _ = run(capsys, "memory", "--config", str(tmp_path), "--context", "8192", "--json",
+                       "--presets", "turboquant_k3v4_nc")
+    assert code == 0
+    data = json.loads(out)
+    assert [r["name"] for r in data["rows"]] == ["bf16", "fp8", "turboquant_k3v4_nc"]
+    assert data["rows"][2]["kv_bytes"] == 32 * 8 * 116 * 8192
+
+
+def test_memory_config_errors_exit_2(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "x", "num_attention_heads": 8, "hidden_size": 1024}))
+    code, _, err = run(capsys, "memory", "--config", str(cfg), "--context", "100")
+    assert code == 2 and "num_hidden_layers" in err
+    code, _, err = run(capsys, "memory", "--config", str(tmp_path / "none.json"), "--context", "100")
+    assert code == 2 and "not found" in err
+
+
+def test_eval_ppl_is_lazy(capsys):
+    code, out, err = run(capsys, "eval-ppl", "--help")
+    if importlib.util.find_spec(EVAL_PPL_MODULE) is None:
+        assert code == 2 and "not part of this installation" in err
+    else:
+        assert code == 0 and "usage: tq eval-ppl" in out
+
+
+def test_presets_imports_neither_triton_nor_transformers():
+    code = ("import sys; from turboquant_core.cli import main; rc = main(['presets']); "
+            "assert rc == 0; bad = [m for m in ('triton', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_format_table():
+    text = format_table([{"a": 1.23456, "b": None, "c": True}, {"a": 10.0, "b": "x", "c": False}],
+                        [("a", "A", ".2f"), ("b", "B", ""), ("c", "C", "")])
+    assert text.splitlines() == ["A      B  C", "-----  -  ---", "1.23   -  yes", "10.00  x  NO"]

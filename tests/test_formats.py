@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+import pytest
+import torch
+
+from turboquant_core.formats import (
+    BF16_BYTES,
+    KV_FORMATS,
+    RETIRED_FORMATS,
+    ComponentFormat,
+    KVFormat,
+    format_names,
+    get_format,
+)
+from turboquant_core.packing import PACKING_LAYOUT
+from turboquant_core.quantizer import FP8Quantizer, MSEQuantizer
+from turboquant_core.rotation import SUPPORTED_HEAD_DIMS
+
+# Bytes per token per KV head at d=128 (K + V), worked out by hand:
+#   k8v4:    K 128 fp8 bytes          + V 128*4/8 + 2 = 66  -> 194
+#   4bit:    K 64 + 2 = 66            + V 66               -> 132
+#   k3v4:    K 128*3/8 + 2 = 50       + V 66               -> 116
+#   3bit:    K 50                     + V 50               -> 100
+#   3p5bit:  K 64*4/8 + 64*3/8 + 2 = 58 + V 58             -> 116
+#   k3v2:    K 50                     + V 128*2/8 + 2 = 34 -> 84
+#   2p5bit:  K 64*3/8 + 64*2/8 + 2 = 42 + V 42             -> 84
+#   2bit:    K 34                     + V 34               -> 68
+BYTES_D128 = {
+    "turboquant_k8v4": 194,
+    "turboquant_4bit_nc": 132,
+    "turboquant_k3v4_nc": 116,
+    "turboquant_3bit_nc": 100,
+    "turboquant_3p5bit_nc": 116,
+    "turboquant_k3v2_nc": 84,
+    "turboquant_2p5bit_nc": 84,
+    "turboquant_2bit_nc": 68,
+}
+STOCK_NAMES = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+
+
+def test_table_bytes_at_d128():
+    assert {n: f.bytes_per_token_per_head(128) for n, f in KV_FORMATS.items()} == BYTES_D128
+    assert [KV_FORMATS[n].bytes_per_token_per_head(128) for n in format_names()] == [194, 132, 116, 100, 116, 84,
+                                                                                      84, 68]
+
+
+def test_key_and_value_bytes_at_d128():
+    f = get_format("turboquant_k3v4_nc")
+    assert (f.key_bytes(128), f.value_bytes(128)) == (50, 66)
+    f = get_format("turboquant_k8v4")
+    assert (f.key_bytes(128), f.value_bytes(128)) == (128, 66)
+    assert get_format("turboquant_2p5bit_nc").key.index_bytes(128) == 40
+
+
+def test_stock_names_present_with_stock_origin():
+    for n in STOCK_NAMES:
+        assert n in KV_FORMATS and get_format(n).origin == "stock"
+    assert {f.origin for f in KV_FORMATS.values()} == {"stock", "new"}
+    assert [n for n, f in KV_FORMATS.items() if f.origin == "new"] == [
+        "turboquant_3p5bit_nc", "turboquant_k3v2_nc", "turboquant_2p5bit_nc", "turboquant_2bit_nc"]
+
+
+def test_stock_bit_meaning():
+    assert get_format("turboquant_k3v4_nc").key.bits == 3 and get_format("turboquant_k3v4_nc").value.bits == 4
+    assert get_format("turboquant_k8v4").key.kind == "fp8" and get_format("turboquant_k8v4").value.bits == 4
+    assert all(f.key.norm_correction and f.value.norm_correction for n, f in KV_FORMATS.items() if n.endswith("_nc"))
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        get_format("turboquant_5bit")
+    msg = str(e.value)
+    assert "'turboquant_5bit'" in msg
+    for n in KV_FORMATS:
+        assert n in msg
+
+
+@pytest.mark.parametrize("dim", SUPPORTED_HEAD_DIMS)
+def test_bytes_positive_below_bf16_and_consistent(dim):
+    for f in KV_FORMATS.values():
+        n = f.bytes_per_token_per_head(dim)
+        assert 0 < n < 2 * BF16_BYTES * dim
+        assert n == f.key_bytes(dim) + f.value_bytes(dim)
+        assert f.compression_vs_bf16(dim) == pytest.approx(4 * dim / n)
+        assert f.compression_vs_bf16(dim) > 1
+        for comp in (f.key, f.value):
+            if comp.kind == "mse":
+                assert comp.index_bytes(dim) == dim * comp.bits / 8  # exact: no padding in planar8
+                assert comp.scale_bytes() == 2
+            else:
+                assert comp.index_bytes(dim) == dim and comp.scale_bytes() == 0
+
+
+def test_unsupported_head_dim_in_bytes():
+    with pytest.raises(ValueError, match="supported head dims"):
+        get_format("turboquant_3bit_nc").bytes_per_token_per_head(100)
+
+
+def test_quantizers_follow_the_format():
+    f = get_format("turboquant_k8v4")
+    assert isinstance(f.key_quantizer(128), FP8Quantizer)
+    vq = f.value_quantizer(128)
+    assert isinstance(vq, MSEQuantizer) and vq.bits == 4 and vq.seed == f.value_seed
+    assert f.key_seed != f.value_seed
+    kq = get_format("turboquant_2p5bit_nc").key_quantizer(80)
+    assert kq.segments == ((40, 3), (40, 2)) and kq.norm_correction
+    x = torch.randn(3, 80)
+    assert kq.dequantize(kq.quantize(x)).shape == (3, 80)
+
+
+def test_describe_and_segments():
+    assert ComponentFormat("mse", 3.5).describe() == "3.5-bit Lloyd-Max +nc"
+    assert ComponentFormat("fp8", 8, False).describe() == "fp8 e4m3 (rotated)"
+    assert ComponentFormat("mse", 2.5).segments(64) == ((32, 3), (32, 2))
+    with pytest.raises(ValueError, match="no codebook segments"):
+        ComponentFormat("fp8", 8, False).segments(64)
+
+
+def test_table_invariants():
+    for name, f in KV_FORMATS.items():
+        assert isinstance(f, KVFormat) and f.name == name and name.startswith("turboquant_")
+        assert f.packing == PACKING_LAYOUT
+        assert name not in RETIRED_FORMATS
+    assert len(set(format_names())) == len(KV_FORMATS) == 8
