@@ -1,0 +1,452 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention over paged TurboQuant KV pages, computed in the rotated domain (jit only).
+
+One program serves one (query block, KV head, KV split). Its M rows are the query heads of the GQA
+group times the queries of the block (row m: query m // GQ, head m % GQ), so each compressed page is
+read once per group, not once per query head.
+
+Math (TurboQuant identity x_hat = R^T (scale * c[idx])):
+- keys:   s = k_scale * <R_K q, c_K[idx]>  (fp8 keys: <R_K q, k_fp8>), R_K q computed once per row;
+- values: acc += p * v_scale * c_V[idx] stays in the V-rotated domain; the output is R_V^T acc,
+          computed once per program at the end (linear, so split partials can be merged afterwards).
+
+Kernel coordinate order. A planar8 segment of b-bit indices has G groups of 8 (GP = G padded to a
+power of two); group g's b bytes (one per byte plane) form a word whose b-bit field j is rotated
+coordinate j*G + g. A thread loads the planes of a [BLOCK_N, GP] tile, merges them into words,
+expands each word with 8 constant shifts and joins the 8 results in registers: the tile's position
+g*8 + r then holds field j = bitrev3(r). The rotation rows given to this kernel are permuted to that
+same order (``ops.paged``, zero rows for padded groups), so no data moves between threads and the
+rotated query lines up with the tile. fp8 keys use the natural coordinate order.
+
+Tiles are dequantized in registers to fp16 (codebook values < 3, fp8 values < 448: both exact or
+within fp16 rounding) and multiplied on tensor cores with fp32 accumulation; softmax runs online in
+fp32 in the log2 domain.
+
+Masking: query row at absolute position ``pos`` sees cached token t iff t < seq_len, t <= pos and, with
+a sliding window W, t > pos - W. ``CAUSAL``: the block's queries are the last ``nq`` cached tokens
+(pos = seq_len - nq + i); otherwise they follow the cached context (pos = seq_len + i).
+
+Split-KV (flash decoding): with ``SPLIT`` each program's key range is cut into ``num_splits`` equal chunks
+(grid dim 2) whose normalized partial outputs + log2-sum-exp go to a workspace; ``tq_merge_splits_kernel``
+combines them. Batch-dependent ints (``num_reqs``, ``num_splits``, ``window``) are run-time arguments
+and not specialized, so CUDA-graph capture at many batch sizes reuses one compiled variant.
+"""
+
+import triton
+import triton.language as tl
+
+from .codec_jit import _load_unpack, _rotate_rows, _split_f16, _unrotate_rows
+
+
+@triton.jit
+def _find_request(QUERY_START, num_reqs, qblock, QPB: tl.constexpr):
+    """Request r whose query blocks hold ``qblock``; blocks of r start at QUERY_START[r] // QPB + r."""
+    left = 0
+    right = num_reqs
+    while left < right:
+        mid = (left + right) // 2
+        val = tl.load(QUERY_START + mid) // QPB + mid
+        left = tl.where(val <= qblock, mid + 1, left)
+        right = tl.where(val <= qblock, right, mid)
+    req = left - 1
+    return req, qblock - (tl.load(QUERY_START + req) // QPB + req)
+
+
+@triton.jit
+def _load_words(IN, row_off, row_mask, byte0, G: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
+    """[BN, GP] uint32 words of one planar8 segment: byte plane k of group g is bits 8k..8k+7."""
+    g = tl.arange(0, GP)
+    m = row_mask[:, None]
+    if G < GP:
+        m = m & (g < G)[None, :]
+    ptr = IN + row_off[:, None] + byte0 + g[None, :]
+    word = tl.load(ptr, mask=m, other=0).to(tl.uint32)
+    for k in tl.static_range(1, B):
+        word |= tl.load(ptr + k * G, mask=m, other=0).to(tl.uint32) << (8 * k)
+    return word
+
+
+@triton.jit
+def _lookup(TABLE, idx, two, ASM_LOOKUP: tl.constexpr):
+    """Codebook values TABLE[idx] as fp16, keeping idx's register layout.
+
+    A ``tl.load`` gather gets its own layout from the compiler (a shared-memory round trip of the
+    pointer tile) plus 64-bit pointer arithmetic; the inline PTX is a wide multiply-add (``two`` is a
+    run-time 2, so ptxas keeps an IMAD.WIDE rather than a shift pair) and one cached load, and is
+    elementwise, so the tile stays in place. (The interpreter cannot run PTX: ``tl.load`` path.)"""
+    if ASM_LOOKUP:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b64 a; mad.wide.u32 a, $1, $2, $3; ld.global.nc.b16 $0, [a]; }", "=h,r,r,l",
+            [idx, two, TABLE.to(tl.int64)], dtype=tl.int16, is_pure=True, pack=1)
+        return v.to(tl.float16, bitcast=True)
+    else:
+        return tl.load(TABLE + idx)
+
+
+@triton.jit
+def _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP: tl.constexpr):
+    """Two codebook values per load: TABLE2 holds, for every pair (a, b) of b-bit indices packed as
+    a | b << b, the fp16 pair (c[a], c[b]). Returns (c[a], c[b])."""
+    if ASM_LOOKUP:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b64 a; .reg .b32 r; mad.wide.u32 a, $2, $3, $4; ld.global.nc.b32 r, [a]; "
+            "mov.b32 {$0, $1}, r; }", "=h,=h,r,r,l",
+            [idx2, four, TABLE2.to(tl.int64)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    else:
+        return tl.load(TABLE2 + 2 * idx2), tl.load(TABLE2 + 2 * idx2 + 1)
+
+
+@triton.jit
+def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr, two, ASM_LOOKUP: tl.constexpr):
+    """Codebook value of b-bit field j of every word (fields above 8b bits are zero: no mask for j=7)."""
+    if j == 0:
+        idx = word & ((1 << B) - 1)
+    elif j == 7:
+        idx = word >> (B * j)
+    else:
+        idx = (word >> (B * j)) & ((1 << B) - 1)
+    return _lookup(TABLE, idx, two, ASM_LOOKUP)
+
+
+@triton.jit
+def _field_pair(word, TABLE2, j: tl.constexpr, B: tl.constexpr, four, ASM_LOOKUP: tl.constexpr):
+    """Codebook values of fields j and j+1 of every word, one load for both."""
+    if j == 0:
+        idx2 = word & ((1 << (2 * B)) - 1)
+    elif j == 6:
+        idx2 = word >> (B * j)
+    else:
+        idx2 = (word >> (B * j)) & ((1 << (2 * B)) - 1)
+    return _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP)
+
+
+@triton.jit
+def _dequant_words(word, TABLE, TABLE2, two, four, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
+                   PAIRS: tl.constexpr, ASM_LOOKUP: tl.constexpr):
+    """[BN, GP] words -> [BN, 8*GP] fp16 codebook values in kernel order (position g*8 + r holds field
+    bitrev3(r)); the joins and the reshape only rename registers. ``PAIRS``: one load per two fields."""
+    if PAIRS:
+        f0, f1 = _field_pair(word, TABLE2, 0, B, four, ASM_LOOKUP)
+        f2, f3 = _field_pair(word, TABLE2, 2, B, four, ASM_LOOKUP)
+        f4, f5 = _field_pair(word, TABLE2, 4, B, four, ASM_LOOKUP)
+        f6, f7 = _field_pair(word, TABLE2, 6, B, four, ASM_LOOKUP)
+    else:
+        f0 = _field(word, TABLE, 0, B, two, ASM_LOOKUP)
+        f1 = _field(word, TABLE, 1, B, two, ASM_LOOKUP)
+        f2 = _field(word, TABLE, 2, B, two, ASM_LOOKUP)
+        f3 = _field(word, TABLE, 3, B, two, ASM_LOOKUP)
+        f4 = _field(word, TABLE, 4, B, two, ASM_LOOKUP)
+        f5 = _field(word, TABLE, 5, B, two, ASM_LOOKUP)
+        f6 = _field(word, TABLE, 6, B, two, ASM_LOOKUP)
+        f7 = _field(word, TABLE, 7, B, two, ASM_LOOKUP)
+    c = tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)), tl.join(tl.join(f4, f5), tl.join(f6, f7)))
+    return tl.reshape(c, (BN, 8 * GP))
+
+
+@triton.jit
+def _qdot(qh, ql, kc, Q_HILO: tl.constexpr):
+    """[M, P] query (fp16 hi, lo parts) x [BN, P] fp16 key tile^T -> [M, BN] fp32."""
+    kt = tl.trans(kc)
+    s = tl.dot(qh, kt)
+    if Q_HILO:
+        s += tl.dot(ql, kt)
+    return s
+
+
+@triton.jit
+def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
+                 CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+                 KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr,
+                 VG0: tl.constexpr, VGP0: tl.constexpr, VB0: tl.constexpr,
+                 VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr,
+                 K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
+                 K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_HILO: tl.constexpr,
+                 ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr):
+    """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then
+    scores, online-softmax update and the rotated-domain V accumulation."""
+    t = start + tl.arange(0, BLOCK_N)
+    tmask = t < hi
+    page = tl.load(bt_row + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = t % PAGE
+    base = page * stride_cb + head_off
+    krow = base + K_IDX_OFF + off * K_ROW
+    vrow = base + V_IDX_OFF + off * V_ROW
+    if K_FP8:
+        i = tl.arange(0, D_PAD)
+        kb = tl.load(CACHE + krow[:, None] + i[None, :], mask=tmask[:, None] & (i < D)[None, :], other=0)
+    else:
+        kw0 = _load_words(CACHE, krow, tmask, 0, KG0, KGP0, KB0)
+        if KG1 > 0:
+            kw1 = _load_words(CACHE, krow, tmask, KB0 * KG0, KG1, KGP1, KB1)
+        else:
+            kw1 = kw0
+        k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0)
+    vw0 = _load_words(CACHE, vrow, tmask, 0, VG0, VGP0, VB0)
+    if VG1 > 0:
+        vw1 = _load_words(CACHE, vrow, tmask, VB0 * VG0, VG1, VGP1, VB1)
+    else:
+        vw1 = vw0
+    v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0)
+
+    if K_FP8:
+        s = _qdot(qk0h, qk0l, kb.to(tl.float8e4nv, bitcast=True).to(tl.float16), Q_HILO)
+    else:
+        s = _qdot(qk0h, qk0l, _dequant_words(kw0, KC0, KP0, two, four, BLOCK_N, KGP0, KB0, KB0 <= PAIR_BITS,
+                                                   ASM_LOOKUP), Q_HILO)
+        if KG1 > 0:
+            s += _qdot(qk1h, qk1l, _dequant_words(kw1, KC1, KP1, two, four, BLOCK_N, KGP1, KB1,
+                                                         KB1 <= PAIR_BITS, ASM_LOOKUP), Q_HILO)
+        s = s * k_scale.to(tl.float32)[None, :]
+    valid = row_valid[:, None] & tmask[None, :] & (t[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        valid = valid & (t[None, :] > pos[:, None] - window)
+    s = tl.where(valid, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
+    pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
+    acc0 = acc0 * alpha[:, None] + tl.dot(pv, _dequant_words(vw0, VC0, VP0, two, four, BLOCK_N, VGP0, VB0,
+                                                                    VB0 <= PAIR_BITS, ASM_LOOKUP))
+    if VG1 > 0:
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, _dequant_words(vw1, VC1, VP1, two, four, BLOCK_N, VGP1, VB1,
+                                                                        VB1 <= PAIR_BITS, ASM_LOOKUP))
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "window"])
+def tq_paged_attention_kernel(
+    Q, stride_qt, stride_qh,
+    CACHE, CACHE16, stride_cb, stride_ch,
+    BLOCK_TABLE, stride_bt, QUERY_START, SEQ_LENS,
+    KROT_HI, KROT_LO, KC0, KC1, VROT_HI, VROT_LO, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+    OUT, stride_ot, stride_oh, LSE, stride_lh,
+    PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
+    num_reqs, num_splits, qk_scale, v_rot_scale, window,
+    D: tl.constexpr, D_PAD: tl.constexpr, GQ: tl.constexpr, QPB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+    VG0: tl.constexpr, VGP0: tl.constexpr, VB0: tl.constexpr,
+    VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr, V_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
+    K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+    SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    WRITE_LSE: tl.constexpr, WHILE_LOOP: tl.constexpr, Q_HILO: tl.constexpr, ASM_LOOKUP: tl.constexpr,
+    PAIR_BITS: tl.constexpr,
+):
+    """Grid (query blocks, Hkv, num_splits). ``qk_scale`` = softmax_scale * log2(e) * rot_scale(K).
+
+    KROT_*/VROT_* hold the rotation rows in kernel order (8*KGP0 [+ 8*KGP1] rows of D_PAD; fp8 keys:
+    D_PAD rows in natural order); KC*/VC* the fp16 codebooks of each segment, KP*/VP* their pair tables
+    (used for segments of at most PAIR_BITS bits); ``two``/``four`` are the run-time ints 2 and 4."""
+    qblock = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if ONE_QBLOCK:
+        req = qblock
+        qblk = 0
+    else:
+        req, qblk = _find_request(QUERY_START, num_reqs, qblock, QPB)
+    q_start = tl.load(QUERY_START + req)
+    nq = tl.load(QUERY_START + req + 1) - q_start
+    kv_len = tl.load(SEQ_LENS + req)
+    q_first = qblk * QPB
+    n_rows_q = tl.minimum(nq - q_first, QPB)  # <= 0: nothing to do (padding block)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = m // GQ
+    row_valid = (qi < n_rows_q) & (m < QPB * GQ)
+    tok = (q_start + q_first + qi).to(tl.int64)
+    head = kvh * GQ + m % GQ
+    if CAUSAL:
+        pos0 = kv_len - nq + q_first
+    else:
+        pos0 = kv_len + q_first
+    pos = pos0 + qi
+
+    # Key range of this program: [lo, hi), then this split's chunk of it.
+    hi = tl.minimum(kv_len, pos0 + n_rows_q)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos0 - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.where(n_rows_q > 0, hi, lo)
+    if SPLIT:
+        length = tl.maximum(hi - lo, 0)
+        # (tl.cdiv on scalars gives a 1-element block in the interpreter; plain integer math does not)
+        per_split = (length + num_splits - 1) // num_splits
+        chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+
+    # Rotated, pre-scaled queries in kernel order; Q_HILO keeps them as an fp16 hi + lo pair
+    # (fp32-level scores for one more MMA).
+    i = tl.arange(0, D_PAD)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + i[None, :],
+                mask=row_valid[:, None] & (i < D)[None, :], other=0.0).to(tl.float32)
+    if K_FP8:
+        qk0h, qk0l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 0, D_PAD, D_PAD, K_EXACT) * qk_scale)
+    else:
+        qk0h, qk0l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT) * qk_scale)
+    if KG1 > 0:
+        qk1h, qk1l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 8 * KGP0, 8 * KGP1, D_PAD, K_EXACT) * qk_scale)
+    else:
+        qk1h, qk1l = qk0h, qk0l
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, 8 * VGP0), tl.float32)
+    if VG1 > 0:
+        acc1 = tl.zeros((BLOCK_M, 8 * VGP1), tl.float32)
+    else:
+        acc1 = acc0
+    head_off = kvh.to(tl.int64) * stride_ch
+    bt_row = BLOCK_TABLE + req.to(tl.int64) * stride_bt
+
+    if WHILE_LOOP:
+        # The interpreter cannot take run-time bounds in range() (its scalars are 1-element arrays).
+        start = lo
+        while start < hi:
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
+                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+                BLOCK_N, PAGE, D, D_PAD,
+                K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
+                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
+                PAIR_BITS)
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
+                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+                BLOCK_N, PAGE, D, D_PAD,
+                K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
+                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
+                PAIR_BITS)
+
+    # Normalize, then inverse V rotation once. Rows are scaled to max |y| = 1 first so the fp16
+    # hi/lo operands of the rotation product stay in range whatever the value norms.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    y0 = acc0 / l_safe[:, None]
+    amax = tl.max(tl.abs(y0), axis=1)
+    if VG1 > 0:
+        y1 = acc1 / l_safe[:, None]
+        amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=1))
+    inv = tl.where(amax > 0, 1.0 / tl.maximum(amax, 1e-30), 0.0)
+    o = _unrotate_rows(y0 * inv[:, None], VROT_HI, VROT_LO, 0, 8 * VGP0, D_PAD, V_EXACT)
+    if VG1 > 0:
+        o += _unrotate_rows(y1 * inv[:, None], VROT_HI, VROT_LO, 8 * VGP0, 8 * VGP1, D_PAD, V_EXACT)
+    o = o * (amax * v_rot_scale)[:, None]
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+
+    omask = row_valid[:, None] & (i < D)[None, :]
+    if not SPLIT:
+        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + i[None, :],
+                 o.to(OUT.dtype.element_ty), mask=omask)
+        if WRITE_LSE:
+            tl.store(LSE + head * stride_lh + tok, lse2 * 0.6931471805599453, mask=row_valid)
+    else:
+        sp = split.to(tl.int64)
+        tl.store(PART_O + sp * stride_pos + tok[:, None] * stride_pot + head[:, None] * stride_poh + i[None, :],
+                 o, mask=omask)
+        tl.store(PART_L + sp * stride_pls + tok * stride_plt + head, lse2, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def tq_merge_splits_kernel(
+    PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
+    OUT, stride_ot, stride_oh, LSE, stride_lh, num_splits,
+    S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Flash-decoding reduction. Grid (Tq, Hq): partial outputs [S, Tq, Hq, D] + log2-sum-exp [S, Tq, Hq]."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    smask = s < num_splits
+    lse2 = tl.load(PART_L + s * stride_pls + tok * stride_plt + head, mask=smask, other=float("-inf"))
+    mx = tl.max(lse2, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse2 - mx_safe)
+    w = tl.where(smask, w, 0.0)
+    total = tl.sum(w, axis=0)
+    i = tl.arange(0, D_PAD)
+    po = tl.load(PART_O + s[:, None].to(tl.int64) * stride_pos + tok * stride_pot + head * stride_poh + i[None, :],
+                 mask=(smask & (w > 0))[:, None] & (i < D)[None, :], other=0.0)
+    o = tl.sum(po * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + tok * stride_ot + head * stride_oh + i, o.to(OUT.dtype.element_ty), mask=i < D)
+    if WRITE_LSE:
+        lse = tl.where(total > 0, (mx_safe + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(LSE + head * stride_lh + tok, lse)
+
+
+@triton.jit
+def tq_paged_gather_dequant_kernel(
+    CACHE, CACHE16, stride_cb, stride_ch,
+    BLOCK_TABLE, stride_bt, SEQ_LENS, CU_KV,
+    KROT_HI, KROT_LO, KCENT0, KCENT1, VROT_HI, VROT_LO, VCENT0, VCENT1,
+    OUT_K, stride_okt, stride_okh, OUT_V, stride_ovt, stride_ovh,
+    k_rot_scale, v_rot_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+    VG0: tl.constexpr, VGP0: tl.constexpr, VB0: tl.constexpr,
+    VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr, V_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
+    K_ROW: tl.constexpr, V_ROW: tl.constexpr, BN: tl.constexpr,
+):
+    """Cached tokens of request r -> dense K/V rows CU_KV[r] + t. Grid (R, cdiv(max_seq_len, BN), Hkv)."""
+    req = tl.program_id(0)
+    t = tl.program_id(1) * BN + tl.arange(0, BN)
+    kvh = tl.program_id(2)
+    kv_len = tl.load(SEQ_LENS + req)
+    tmask = t < kv_len
+    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = t % PAGE
+    base = page * stride_cb + kvh.to(tl.int64) * stride_ch
+    row = (tl.load(CU_KV + req) + t).to(tl.int64)
+    i = tl.arange(0, D_PAD)
+    omask = tmask[:, None] & (i < D)[None, :]
+
+    krow = base + K_IDX_OFF + off * K_ROW
+    if K_FP8:
+        p = tl.arange(0, 8 * KGP0)
+        coord = (p // KGP0) * KG0 + p % KGP0
+        kb = tl.load(CACHE + krow[:, None] + coord[None, :],
+                     mask=tmask[:, None] & ((p % KGP0) < KG0)[None, :], other=0)
+        y = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        amax = tl.max(tl.abs(y), axis=1)
+        inv = tl.where(amax > 0, 1.0 / tl.maximum(amax, 1e-30), 0.0)
+        k = _unrotate_rows(y * inv[:, None], KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT)
+        k = k * (amax * k_rot_scale)[:, None]
+    else:
+        k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
+        idx0 = _load_unpack(CACHE, krow, tmask, 0, BN, KG0, KGP0, KB0)
+        k = _unrotate_rows(tl.load(KCENT0 + idx0), KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT)
+        if KG1 > 0:
+            idx1 = _load_unpack(CACHE, krow, tmask, KB0 * KG0, BN, KG1, KGP1, KB1)
+            k += _unrotate_rows(tl.load(KCENT1 + idx1), KROT_HI, KROT_LO, 8 * KGP0, 8 * KGP1, D_PAD, K_EXACT)
+        k = k * (k_scale * k_rot_scale)[:, None]
+    tl.store(OUT_K + row[:, None] * stride_okt + kvh * stride_okh + i[None, :], k.to(OUT_K.dtype.element_ty),
+             mask=omask)
+
+    vrow = base + V_IDX_OFF + off * V_ROW
+    v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
+    vidx0 = _load_unpack(CACHE, vrow, tmask, 0, BN, VG0, VGP0, VB0)
+    v = _unrotate_rows(tl.load(VCENT0 + vidx0), VROT_HI, VROT_LO, 0, 8 * VGP0, D_PAD, V_EXACT)
+    if VG1 > 0:
+        vidx1 = _load_unpack(CACHE, vrow, tmask, VB0 * VG0, BN, VG1, VGP1, VB1)
+        v += _unrotate_rows(tl.load(VCENT1 + vidx1), VROT_HI, VROT_LO, 8 * VGP0, 8 * VGP1, D_PAD, V_EXACT)
+    v = v * (v_scale * v_rot_scale)[:, None]
+    tl.store(OUT_V + row[:, None] * stride_ovt + kvh * stride_ovh + i[None, :], v.to(OUT_V.dtype.element_ty),
+             mask=omask)

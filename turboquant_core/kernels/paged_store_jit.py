@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fused rotate + quantize + pack of new K/V tokens straight into paged TurboQuant pages (jit only).
+
+Page layout (see ``turboquant_core.ops.paged``): one region of ``PAGE`` tokens per (block, kv head),
+structure of arrays: K index rows | V index rows | K fp16 scales | V fp16 scales. The kernels get the
+cache twice, as bytes (``CACHE``) and as an fp16 view of the same memory (``CACHE16``) for the scales.
+
+The MSE encoding is the same arithmetic as ``codec_jit.tq_mse_encode_kernel`` (same jit functions), so a
+token's index bytes are exactly what ``ops.codec.encode`` writes for that vector. fp8 keys are the
+rotated vector rounded to float8 e4m3fn (round to nearest even, clamped to +-448) with integer bit
+arithmetic, which is exact on every backend (the Triton interpreter's own fp8 cast is not RTNE).
+"""
+
+import triton
+import triton.language as tl
+
+from .codec_jit import _pack_store, _quantize_segment, _rotate_rows, _segment_valid
+
+
+@triton.jit
+def _fp32_to_e4m3fn_bits(x):
+    """float32 (already clamped to +-448) -> float8 e4m3fn bit pattern (uint8), round to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    # Normal range |x| >= 2^-6: keep 3 mantissa bits with RTNE; a carry moves into the exponent.
+    r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    normal = r - ((127 - 7) << 3)
+    # Subnormal range: k = rtne(|x| * 2^9), k in [0, 8] (k == 8 is the smallest normal, code 8).
+    e = a >> 23
+    full = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - e, 21), 26)
+    k = full >> shift
+    rem = full & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    k += ((rem > half) | ((rem == half) & ((k & 1) == 1))).to(tl.int32)
+    k = tl.where(e == 0, 0, k)  # fp32 zeros / denormals
+    code = tl.where(a >= (121 << 23), normal, k)
+    return ((sign << 7) | code).to(tl.uint8)
+
+
+@triton.jit
+def _padded_coord(P: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """Padded kernel position p -> rotated coordinate (single segment of 8*G coords), and its validity."""
+    p = tl.arange(0, P)
+    return (p // GP) * G + p % GP, (p % GP) < G
+
+
+@triton.jit
+def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale, sqrt_d,
+                     D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+                     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+                     NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr):
+    """x [BN, D_PAD] fp32 -> packed indices stored at OUT[out_off + ...]; returns the fp32 scale [BN]
+    (already clamped to the fp16 range). Same arithmetic as ``tq_mse_encode_kernel``."""
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    u = x * tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)[:, None]
+    s_mul = sqrt_d * rot_scale
+    t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
+    idx0 = _quantize_segment(t0 * s_mul, BND0, 1 << B0)
+    c0 = tl.load(CENT0 + idx0)
+    sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), c0 * c0, 0.0), axis=1)
+    _pack_store(idx0, OUT, out_off, row_mask, 0, BN, G0, GP0, B0)
+    if G1 > 0:
+        t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
+        idx1 = _quantize_segment(t1 * s_mul, BND1, 1 << B1)
+        c1 = tl.load(CENT1 + idx1)
+        sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), c1 * c1, 0.0), axis=1)
+        _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
+    if NORM_CORRECTION:
+        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
+    else:
+        scale = norm / sqrt_d
+    return tl.minimum(scale, 65504.0)
+
+
+@triton.jit
+def _fp8_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, rot_scale,
+                     D_PAD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EXACT_ROT: tl.constexpr):
+    """x [BN, D_PAD] fp32 -> D float8 e4m3fn bytes of R x (natural coordinate order) at OUT[out_off + i].
+
+    The rotation runs on the unit vector (fp16 hi/lo operands must stay bounded) and is scaled back."""
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    u = x * tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)[:, None]
+    t = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP, D_PAD, EXACT_ROT) * (norm * rot_scale)[:, None]
+    t = tl.minimum(tl.maximum(t, -448.0), 448.0)
+    code = _fp32_to_e4m3fn_bits(t)
+    coord, valid = _padded_coord(8 * GP, G, GP)
+    tl.store(OUT + out_off[:, None] + coord[None, :], code, mask=row_mask[:, None] & valid[None, :])
+
+
+@triton.jit
+def tq_paged_store_kernel(
+    KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
+    CACHE, CACHE16, stride_cb, stride_ch,
+    KROT_HI, KROT_LO, KCENT0, KBND0, KCENT1, KBND1,
+    VROT_HI, VROT_LO, VCENT0, VBND0, VCENT1, VBND1,
+    num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
+    D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
+    VG0: tl.constexpr, VGP0: tl.constexpr, VB0: tl.constexpr,
+    VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr, V_NC: tl.constexpr, V_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
+    K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv). Slot < 0: token skipped."""
+    tok = tl.program_id(0) * BN + tl.arange(0, BN)
+    head = tl.program_id(1)
+    tmask = tok < num_tokens
+    slot = tl.load(SLOTS + tok, mask=tmask, other=-1).to(tl.int64)
+    ok = tmask & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    blk = slot // PAGE
+    off = slot % PAGE
+    base = blk * stride_cb + head * stride_ch  # bytes; even, so base // 2 indexes the fp16 view
+    i = tl.arange(0, D_PAD)
+    dmask = ok[:, None] & (i < D)[None, :]
+    tok64 = tok.to(tl.int64)
+
+    x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=dmask, other=0.0)
+    x = x.to(tl.float32)
+    if K_FP8:
+        _fp8_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, k_rot_scale,
+                         D_PAD, KG0, KGP0, K_EXACT)
+    else:
+        k_scale = _mse_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
+                                   KCENT0, KBND0, KCENT1, KBND1, k_rot_scale, sqrt_d,
+                                   D_PAD, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT, BN)
+        tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=ok)
+
+    y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
+    y = y.to(tl.float32)
+    v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO,
+                               VCENT0, VBND0, VCENT1, VBND1, v_rot_scale, sqrt_d,
+                               D_PAD, VG0, VGP0, VB0, VG1, VGP1, VB1, V_NC, V_EXACT, BN)
+    tl.store(CACHE16 + (base + V_SC_OFF) // 2 + off, v_scale.to(tl.float16), mask=ok)
