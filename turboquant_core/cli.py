@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``tq`` command: presets, validate, bench, memory, eval-ppl.
+"""The ``tq`` command: presets, validate, bench, memory, eval-ppl, convert-gguf.
 
 Every subcommand prints a table, or JSON with ``--json``. Bad arguments exit with status 2 and
 a message naming the valid choices. Heavy imports (Triton kernels, transformers) happen inside
@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser("eval-ppl", help="perplexity with each KV format (tq eval-ppl --help)", add_help=False)
+    sub.add_parser("convert-gguf", help="GGUF model -> Hugging Face folder with a correct tokenizer "
+                   "(tq convert-gguf --help)", add_help=False)
     return parser
 
 
@@ -323,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval-ppl":
         return run_eval_ppl_command(argv[1:])
+    if argv and argv[0] == "convert-gguf":
+        from .integrations.gguf_convert import main as convert_main
+
+        try:
+            return convert_main(argv[1:])
+        except SystemExit as e:
+            return _exit_code(e)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

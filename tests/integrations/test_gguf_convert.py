@@ -77,3 +77,11 @@ def test_converter_refusals(tmp_path):
         convert_gguf(bad, tmp_path / "out2", dtype="int8")
     # Nothing half-written next to the destination.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "taken"]
+
+
+def test_cli_convert_gguf_reports_errors(tmp_path, capsys):
+    from turboquant_core.cli import main
+
+    assert main(["convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+    assert "not found" in capsys.readouterr().out
+    assert main(["convert-gguf"]) == 2  # argparse: src and dest are required
