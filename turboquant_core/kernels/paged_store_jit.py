@@ -89,7 +89,7 @@ def _fp8_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, rot_scale,
     tl.store(OUT + out_off[:, None] + coord[None, :], code, mask=row_mask[:, None] & valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # the token count changes every step: one variant
 def tq_paged_store_kernel(
     KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
     CACHE, CACHE16, stride_cb, stride_ch,
