@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``tq eval-ppl`` on a tiny random Llama saved as a local Hugging Face folder, with a word-level tokenizer."""
+
+import argparse
+import json
+import math
+from importlib import resources
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from turboquant_core.integrations.perplexity import (  # noqa: E402
+    add_eval_ppl_arguments,
+    evaluate_perplexity,
+    parse_presets,
+    read_text,
+    run_eval_ppl,
+    token_windows,
+)
+
+TEXT = " ".join(f"w{(7 * i * i + 3 * i) % 53}" for i in range(400))
+
+
+def _tokenizer(bos: bool):
+    words = sorted(set(TEXT.split()))
+    vocab = {"[UNK]": 0, "[BOS]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    if bos:
+        tk.post_processor = tokenizers.processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="[BOS]")
+
+
+def _model(vocab_size: int):
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=None, pad_token_id=None)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tok = _tokenizer(bos=True)
+    _model(len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_token_windows_with_and_without_bos():
+    plain = token_windows(_tokenizer(bos=False), TEXT, window=50, max_windows=3)
+    assert plain.shape == (3, 50) and (plain != 1).all()
+    with_bos = token_windows(_tokenizer(bos=True), TEXT, window=50)
+    assert with_bos.shape == (400 // 49, 50) and (with_bos[:, 0] == 1).all()
+    # Consecutive, non-overlapping pieces of the text.
+    assert torch.equal(with_bos[1, 1:], torch.tensor(_tokenizer(bos=False)(TEXT)["input_ids"][49:98]))
+    with pytest.raises(ValueError, match="fewer than one window"):
+        token_windows(_tokenizer(bos=False), "w1 w2", window=50)
+
+
+def test_scores_match_model_loss_and_order_by_bits():
+    tok = _tokenizer(bos=True)
+    model = _model(len(tok))
+    windows = token_windows(tok, TEXT, window=40, max_windows=2)
+    presets = ["turboquant_4bit_nc", "turboquant_2bit_nc"]
+    baseline, scores = evaluate_perplexity(model, windows, presets, progress=False)
+    with torch.no_grad():
+        losses = [float(model(w[None], labels=w[None], past_key_values=DynamicCache()).loss) for w in windows]
+    assert baseline.ppl == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
+    assert baseline.tokens == 2 * 39
+    four, two = scores
+    assert 0 < four.kl_per_token < two.kl_per_token
+    assert four.top1_agreement >= two.top1_agreement and 0 < two.top1_agreement <= 1
+    assert abs(four.delta_ppl_pct) < abs(two.delta_ppl_pct)
+    assert four.cache_bytes_per_window == 2 * 40 * 68  # 2 layers x 40 tokens x 1 head x 68 B (d=64, 4-bit)
+
+
+def test_all_layers_skipped_is_the_baseline():
+    tok = _tokenizer(bos=False)
+    model = _model(len(tok))
+    windows = token_windows(tok, TEXT, window=32, max_windows=1)
+    baseline, (score,) = evaluate_perplexity(model, windows, ["turboquant_2bit_nc"], skip_layers=[0, 1],
+                                             progress=False)
+    assert score.ppl == pytest.approx(baseline.ppl, rel=1e-6)
+    assert score.kl_per_token == pytest.approx(0.0, abs=1e-6) and score.top1_agreement == 1.0
+
+
+def _args(*argv):
+    return add_eval_ppl_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_cli_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "res" / "ppl.json"
+    rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets",
+                            "turboquant_k3v4_nc,turboquant_k8v4", "--window", "48", "--windows", "3",
+                            "--device", "cpu", "--json", str(out), "--no-progress", "--skip-layers", "-1"))
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "turboquant_k3v4_nc" in table and "turboquant_k8v4" in table and "DynamicCache" in table
+    report = json.loads(out.read_text())
+    assert report["windows"] == 3 and report["window"] == 48 and report["tokens_scored"] == 3 * 47
+    assert report["bos_prepended"] is True and report["skip_layers"] == [-1]
+    assert report["device"] == "cpu" and report["torch"] == torch.__version__
+    assert report["transformers"] == transformers.__version__ and report["date"] and report["command"]
+    assert [p["name"] for p in report["presets"]] == ["turboquant_k3v4_nc", "turboquant_k8v4"]
+    for p in report["presets"]:
+        assert math.isfinite(p["ppl"]) and p["kl_per_token"] > 0 and len(p["window_ppl"]) == 3
+
+
+def test_cli_bad_input_is_a_clear_error(tiny_model_dir, capsys):
+    assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--presets", "turboquant_5bit")) == 2
+    assert "valid formats" in capsys.readouterr().err
+    assert run_eval_ppl(_args("--model", "no-such-model", "--presets", "turboquant_4bit_nc")) == 2
+    assert "smollm2-135m-instruct" in capsys.readouterr().err
+
+
+def test_bundled_text_and_presets():
+    text, label = read_text(None)
+    assert label.startswith("bundled:") and "Robert Boulter" in text and len(text) > 20_000
+    licence = resources.files("turboquant_core").joinpath("data", "LICENSE-wikitext2.txt").read_text()
+    assert "CC BY-SA" in licence and "Merity" in licence
+    assert parse_presets(None)[0] == "turboquant_k8v4" and parse_presets("turboquant_4bit_nc") == ["turboquant_4bit_nc"]

@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TurboQuantCache on tiny randomly initialised Llama, Qwen2, Qwen3 and Gemma 3 models (CPU, seconds)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+from turboquant_core.formats import get_format  # noqa: E402
+from turboquant_core.integrations.transformers_cache import (  # noqa: E402
+    TurboQuantCache,
+    TurboQuantLayer,
+    TurboQuantSlidingWindowLayer,
+)
+from turboquant_core.ops.codec import decode_ref  # noqa: E402
+from turboquant_core.quantizer import FP8Quantizer, MSEQuantizer  # noqa: E402
+
+HEAD_DIM = 64
+VOCAB = 97
+SLIDING_WINDOW = 6
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
+              head_dim=HEAD_DIM, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _llama():
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **COMMON))
+
+
+def _qwen2():
+    cfg = dict(COMMON, num_key_value_heads=2)
+    cfg.pop("head_dim")  # Qwen2 derives head_dim = hidden_size / heads = 32 -> use 128 / 2 = 64
+    return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **dict(cfg, hidden_size=128)))
+
+
+def _qwen3():
+    return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **COMMON))
+
+
+def _gemma3():
+    # Sliding layers with a window smaller than the prompt, plus one global layer.
+    cfg = Gemma3TextConfig(num_hidden_layers=3, sliding_window=SLIDING_WINDOW,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"], **COMMON)
+    return Gemma3ForCausalLM(cfg)
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    torch.manual_seed(1234)
+    m = MODELS[request.param]().eval()
+    # Larger weights than the default init: attention logits that are not flat, so K errors show.
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    return m
+
+
+def _prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, n), generator=g)
+
+
+def _expected_bytes(model, cache, tokens, preset):
+    cfg = model.config
+    per_token = cfg.num_key_value_heads * get_format(preset).bytes_per_token_per_head(HEAD_DIM)
+    total = 0
+    for layer in cache.layers:
+        stored = min(tokens, layer.sliding_window - 1) if layer.is_sliding else tokens
+        total += stored * per_token
+    return total
+
+
+@pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "turboquant_k8v4", "turboquant_2p5bit_nc"])
+def test_generate_stores_exact_compressed_bytes(model, preset):
+    prompt_len, new = 9, 10
+    cache = TurboQuantCache(model.config, preset=preset)
+    out = model.generate(_prompt(prompt_len), past_key_values=cache, max_new_tokens=new, do_sample=False)
+    assert out.shape == (1, prompt_len + new)
+    tokens = prompt_len + new - 1  # the last generated token is never fed back
+    assert cache.get_seq_length() == tokens
+    assert cache.memory_bytes() == _expected_bytes(model, cache, tokens, preset)
+    assert cache.memory_breakdown()["full_precision"] == 0
+    for layer, stored in zip(cache.layers, cache.stored_tokens()):
+        assert isinstance(layer, TurboQuantSlidingWindowLayer if layer.is_sliding else TurboQuantLayer)
+        assert layer.store.key_codes.dtype == torch.uint8 and layer.store.value_codes.dtype == torch.uint8
+        if layer.is_sliding:
+            assert stored == SLIDING_WINDOW - 1 < tokens
+        else:
+            assert stored == tokens
+
+
+def _logit_error(model, ids, preset):
+    with torch.no_grad():
+        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        got = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+    return float((got - ref).norm() / ref.norm())
+
+
+def test_logits_close_to_dynamic_cache_and_ordered_by_bits(model):
+    ids = _prompt(20, seed=1)
+    err4 = _logit_error(model, ids, "turboquant_4bit_nc")
+    err3 = _logit_error(model, ids, "turboquant_3bit_nc")
+    err2 = _logit_error(model, ids, "turboquant_2bit_nc")
+    # Relative logit error: tiny random models with sharp attention amplify K/V error, hence loose bounds;
+    # the ordering by bits is the point.
+    assert 0 < err4 < err3 < err2
+    assert err4 < 0.3 and err4 < 0.6 * err2
+    assert err2 < 0.8
+
+
+def test_incremental_decode_matches_one_forward(model):
+    """Prefill + token-by-token steps through the compressed history == one forward over everything."""
+    ids = _prompt(16, seed=2)
+    preset = "turboquant_k3v4_nc"
+    with torch.no_grad():
+        full = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+        cache = TurboQuantCache(model.config, preset=preset)
+        step = [model(ids[:, :7], past_key_values=cache).logits]
+        for t in range(7, ids.shape[1]):
+            step.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(step, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_update_returns_dequantized_storage():
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 3, 5, HEAD_DIM) * 4, torch.randn(2, 3, 5, HEAD_DIM)
+    for preset in ("turboquant_k3v4_nc", "turboquant_k8v4"):
+        f = get_format(preset)
+        layer = TurboQuantLayer(f, HEAD_DIM)
+        k_out, v_out = layer.update(keys, values)
+        k_ref = (FP8Quantizer(HEAD_DIM, f.key_seed) if f.key.kind == "fp8"
+                 else MSEQuantizer(HEAD_DIM, f.key.bits, True, f.key_seed))
+        k_expected = k_ref.dequantize(k_ref.quantize(keys))
+        torch.testing.assert_close(k_out, k_expected, rtol=1e-5, atol=1e-5)
+        v_q = MSEQuantizer(HEAD_DIM, f.value.bits, True, f.value_seed)
+        torch.testing.assert_close(v_out, v_q.dequantize(v_q.quantize(values)), rtol=1e-5, atol=1e-5)
+        # What is returned is what the stored bytes decode to, and not the input.
+        s = layer.store
+        v_dec = decode_ref(s.value_codes, s.value_scales, HEAD_DIM, f.value.bits, f.value_seed)
+        torch.testing.assert_close(v_out, v_dec)
+        assert not torch.allclose(k_out, keys, atol=1e-3)
+        assert s.key_codes.shape == (2, 3, 5, f.key.index_bytes(HEAD_DIM))
+        assert (s.key_scales is None) == (f.key.kind == "fp8")
+
+
+def test_residual_tokens_stay_full_precision():
+    torch.manual_seed(0)
+    f = get_format("turboquant_4bit_nc")
+    layer = TurboQuantLayer(f, HEAD_DIM, residual_tokens=4)
+    steps = [torch.randn(1, 2, n, HEAD_DIM) for n in (3, 5, 1)]
+    for k in steps:
+        k_out, _ = layer.update(k, -k)
+    history = torch.cat(steps, dim=2)
+    assert layer.store.recent_tokens == 4 and layer.store.compressed_tokens == 5
+    torch.testing.assert_close(k_out[:, :, -4:], history[:, :, -4:], rtol=0, atol=0)
+    assert not torch.allclose(k_out[:, :, :5], history[:, :, :5], atol=1e-3)
+    assert layer.compressed_nbytes() == 5 * 2 * f.bytes_per_token_per_head(HEAD_DIM)
+    assert layer.full_precision_nbytes() == 2 * 4 * 2 * HEAD_DIM * 4  # K and V, fp32
+
+
+def test_skip_layers_and_crop():
+    torch.manual_seed(0)
+    m = _llama().eval()
+    cache = TurboQuantCache(m.config, preset="turboquant_4bit_nc", skip_layers=[-1])
+    assert type(cache.layers[1]) is DynamicLayer and isinstance(cache.layers[0], TurboQuantLayer)
+    with torch.no_grad():
+        m(_prompt(10), past_key_values=cache)
+    fp_bytes = 10 * 1 * HEAD_DIM * 4 * 2
+    assert cache.memory_breakdown() == {
+        "compressed": 10 * get_format("turboquant_4bit_nc").bytes_per_token_per_head(HEAD_DIM),
+        "full_precision": fp_bytes,
+        "total": 10 * get_format("turboquant_4bit_nc").bytes_per_token_per_head(HEAD_DIM) + fp_bytes,
+    }
+    cache.crop(-3)
+    assert cache.stored_tokens() == [7, 7] and cache.get_seq_length() == 7
+
+
+def test_batched_generate_with_sliding_window():
+    torch.manual_seed(0)
+    m = _gemma3().eval()
+    ids = torch.cat([_prompt(8, seed=3), _prompt(8, seed=4)])
+    cache = TurboQuantCache(m.config, preset="turboquant_3bit_nc")
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                     do_sample=False)
+    assert out.shape == (2, 14)
+    assert cache.stored_tokens() == [SLIDING_WINDOW - 1, SLIDING_WINDOW - 1, 13]
+    assert cache.memory_bytes() == 2 * (2 * (SLIDING_WINDOW - 1) + 13) * get_format(
+        "turboquant_3bit_nc").bytes_per_token_per_head(HEAD_DIM)
+
+
+def test_bad_inputs_raise_clear_errors():
+    cfg = LlamaConfig(num_hidden_layers=1, **dict(COMMON, head_dim=48))
+    with pytest.raises(ValueError, match="head_dim 48 is not supported.*64"):
+        TurboQuantCache(cfg)
+    with pytest.raises(ValueError, match="valid formats: .*turboquant_k3v4_nc"):
+        TurboQuantCache(LlamaConfig(num_hidden_layers=1, **COMMON), preset="turboquant_9bit")
+    with pytest.raises(ValueError, match="out of range"):
+        TurboQuantCache(LlamaConfig(num_hidden_layers=2, **COMMON), skip_layers=[5])
+    with pytest.raises(ValueError, match="residual_tokens"):
+        TurboQuantCache(LlamaConfig(num_hidden_layers=1, **COMMON), residual_tokens=-1)
+
+
+def test_without_config_layers_are_created_on_use():
+    cache = TurboQuantCache(preset="turboquant_4bit_nc")
+    k = torch.randn(1, 2, 3, HEAD_DIM)
+    cache.update(k, k, layer_idx=1)
+    assert len(cache.layers) == 2 and cache.stored_tokens() == [0, 3]
+    with pytest.raises(ValueError, match="head_dim 40 is not supported"):
+        cache.update(torch.randn(1, 2, 3, 40), torch.randn(1, 2, 3, 40), layer_idx=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "turboquant_k8v4", "turboquant_3p5bit_nc"])
+def test_cuda_kernels_store_the_reference_bytes(preset):
+    """On CUDA the cache encodes with the fused Triton kernels; the bytes match the CPU reference path."""
+    torch.manual_seed(0)
+    m = _gemma3().eval()
+    ids = _prompt(24, seed=5)
+    cpu_cache = TurboQuantCache(m.config, preset=preset)
+    gpu_cache = TurboQuantCache(m.config, preset=preset)
+    with torch.no_grad():
+        cpu_logits = m(ids, past_key_values=cpu_cache).logits
+        gpu_logits = m.cuda()(ids.cuda(), past_key_values=gpu_cache).logits.cpu()
+    assert gpu_cache.memory_bytes() == cpu_cache.memory_bytes()
+    for c, g in zip(cpu_cache.layers, gpu_cache.layers):
+        for name in ("key_codes", "value_codes"):
+            a, b = getattr(c.store, name), getattr(g.store, name).cpu()
+            # Inputs differ by float rounding between devices: allow rare boundary flips.
+            assert (a == b).float().mean() > 0.98, name
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,373 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``tq eval-ppl``: perplexity of a model with TurboQuant-compressed K/V against a full-precision cache.
+
+The text is cut into non-overlapping windows of ``--window`` tokens (a leading BOS token is added
+when the tokenizer adds one by default). For each window:
+
+- baseline: one forward over the whole window with a full-precision ``DynamicCache``;
+- each preset: the same forward with a ``TurboQuantCache``, so every position attends to the
+  quantized keys and values of itself and all earlier positions (what a TurboQuant attention
+  kernel sees during prefill).
+
+Reported per preset, over all scored tokens: perplexity, its change vs the baseline (%), the mean
+KL(baseline || preset) of the next-token distributions (nats/token), and top-1 agreement (how often
+the preset's argmax equals the baseline's).
+
+Standalone: ``python -m turboquant_core.integrations.perplexity --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..formats import format_names, get_format
+
+BUNDLED_TEXT = "wikitext2_sample.txt"
+DEFAULT_WINDOW = 512
+DEFAULT_WINDOWS = 8
+KL_CHUNK_ROWS = 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def read_text(path: str | None) -> tuple[str, str]:
+    """(text, label): the file at ``path``, or the bundled WikiText-2 excerpt when ``path`` is None."""
+    if path is None:
+        text = resources.files("turboquant_core").joinpath("data", BUNDLED_TEXT).read_text(encoding="utf-8")
+        return text, f"bundled:{BUNDLED_TEXT}"
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"--text {path}: no such file")
+    return p.read_text(encoding="utf-8"), str(p)
+
+
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts one in front of a text by default, else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return bos if ids and ids[0] == bos else None
+
+
+def token_windows(tokenizer, text: str, window: int, max_windows: int | None = None) -> torch.Tensor:
+    """[n, window] token ids: consecutive non-overlapping pieces of ``text`` (BOS first when the tokenizer adds one)."""
+    if window < 2:
+        raise ValueError(f"--window must be at least 2 tokens, got {window}")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    bos = leading_bos(tokenizer)
+    body = window - (bos is not None)
+    n = len(ids) // body
+    if max_windows is not None:
+        if max_windows < 1:
+            raise ValueError(f"--windows must be >= 1, got {max_windows}")
+        n = min(n, max_windows)
+    if n == 0:
+        raise ValueError(
+            f"the text has {len(ids)} tokens, fewer than one window of {window}; "
+            "use a smaller --window or a longer --text"
+        )
+    rows = []
+    for i in range(n):
+        chunk = ids[i * body : (i + 1) * body]
+        rows.append(([bos] if bos is not None else []) + chunk)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def parse_presets(spec: str | None) -> list[str]:
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(format_names())
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        get_format(name)  # unknown name -> ValueError listing the valid ones
+    return names
+
+
+def parse_layer_list(spec: str | None) -> list[int]:
+    if not spec:
+        return []
+    try:
+        return [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--skip-layers expects comma-separated layer indices such as 0,-1; got {spec!r}") from None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but no CUDA device is available; valid choices: auto, cpu, cuda")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown --device {name!r}; valid choices: auto, cpu, cuda")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown --dtype {name!r}; valid choices: auto, {', '.join(DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheScore:
+    """Scores of one cache configuration over all windows."""
+
+    name: str
+    key: str = "full precision"
+    value: str = "full precision"
+    bytes_per_token_per_head: int | None = None
+    compression_vs_bf16: float | None = None
+    cache_bytes_per_window: int = 0
+    nll_sum: float = 0.0
+    kl_sum: float = 0.0
+    top1_agree: int = 0
+    tokens: int = 0
+    window_ppl: list[float] = field(default_factory=list)
+    ppl: float = float("nan")
+    delta_ppl_pct: float = 0.0
+    kl_per_token: float = 0.0
+    top1_agreement: float = 1.0
+
+    def finish(self, baseline: CacheScore | None) -> None:
+        self.ppl = math.exp(self.nll_sum / self.tokens)
+        if baseline is not None:
+            self.delta_ppl_pct = 100.0 * (self.ppl / baseline.ppl - 1.0)
+            self.kl_per_token = self.kl_sum / self.tokens
+            self.top1_agreement = self.top1_agree / self.tokens
+
+
+def _kv_bytes(cache) -> int:
+    if hasattr(cache, "memory_bytes"):
+        return cache.memory_bytes()
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.is_initialized)
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, skip_layers=(), residual_tokens: int = 0,
+                        progress: bool = True) -> tuple[CacheScore, list[CacheScore]]:
+    """Baseline and per-preset scores for ``windows`` [n, window] (see module docstring)."""
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from .transformers_cache import TurboQuantCache
+
+    device = next(model.parameters()).device
+    d_head = None
+    baseline = CacheScore("full precision (DynamicCache)")
+    scores = []
+    for name in presets:
+        f = get_format(name)
+        scores.append(CacheScore(name, f.key.describe(), f.value.describe()))
+    bar = tqdm(total=len(windows) * (1 + len(presets)), desc="eval-ppl", unit="fwd", disable=not progress)
+    for row in windows:
+        ids = row.unsqueeze(0).to(device)
+        targets = ids[0, 1:]
+        cache = DynamicCache(config=model.config)
+        base_logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+        base_logp = torch.log_softmax(base_logits, dim=-1)
+        del base_logits
+        baseline.cache_bytes_per_window = _kv_bytes(cache)
+        _accumulate(baseline, base_logp, targets)
+        base_top1 = base_logp.argmax(dim=-1)
+        bar.update(1)
+        for score in scores:
+            cache = TurboQuantCache(model.config, preset=score.name, skip_layers=skip_layers,
+                                    residual_tokens=residual_tokens)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1]
+            score.cache_bytes_per_window = cache.memory_bytes()
+            d_head = cache.head_dim
+            del cache
+            # Row chunks: with a 262k vocabulary a full [window, vocab] float32 temporary is ~0.5 GB.
+            nll = kl = agree = 0.0
+            for rows in torch.split(torch.arange(logits.shape[0], device=logits.device), KL_CHUNK_ROWS):
+                logp = torch.log_softmax(logits[rows].float(), dim=-1)
+                blp = base_logp[rows]
+                nll += float(-logp.gather(-1, targets[rows].unsqueeze(-1)).double().sum())
+                kl += float((blp.exp() * (blp - logp)).sum(dim=-1).double().sum())
+                agree += int((logp.argmax(dim=-1) == base_top1[rows]).sum())
+            score.nll_sum += nll
+            score.tokens += targets.numel()
+            score.window_ppl.append(math.exp(nll / targets.numel()))
+            score.kl_sum += kl
+            score.top1_agree += int(agree)
+            bar.update(1)
+            del logits
+    bar.close()
+    baseline.finish(None)
+    for score in scores:
+        score.finish(baseline)
+        if d_head is not None:
+            f = get_format(score.name)
+            score.bytes_per_token_per_head = f.bytes_per_token_per_head(d_head)
+            score.compression_vs_bf16 = round(f.compression_vs_bf16(d_head), 3)
+    return baseline, scores
+
+
+def _accumulate(score: CacheScore, logp: torch.Tensor, targets: torch.Tensor) -> None:
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double()
+    score.nll_sum += float(nll.sum())
+    score.tokens += nll.numel()
+    score.window_ppl.append(math.exp(float(nll.mean())))
+
+
+def format_table(baseline: CacheScore, scores: list[CacheScore]) -> str:
+    head = (f"{'cache':<30} {'K':<20} {'V':<20} {'B/tok/head':>10} {'x bf16':>7} {'ppl':>9} {'d ppl %':>8} "
+            f"{'KL nats':>9} {'top-1':>7}")
+    lines = [head, "-" * len(head)]
+    lines.append(f"{baseline.name:<30} {baseline.key:<20} {baseline.value:<20} {'':>10} {'':>7} {baseline.ppl:>9.4f} "
+                 f"{'':>8} {'':>9} {'':>7}")
+    for s in scores:
+        lines.append(f"{s.name:<30} {s.key:<20} {s.value:<20} {s.bytes_per_token_per_head or 0:>10d} "
+                     f"{s.compression_vs_bf16 or 0:>7.2f} {s.ppl:>9.4f} {s.delta_ppl_pct:>+8.2f} "
+                     f"{s.kl_per_token:>9.5f} {100 * s.top1_agreement:>6.2f}%")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="smollm2-135m-instruct (default), gemma-3-270m, a local .gguf file "
+                        "or a local Hugging Face folder")
+    parser.add_argument("--text", default=None,
+                        help="UTF-8 text file to score (default: the bundled WikiText-2 excerpt)")
+    parser.add_argument("--presets", default=None,
+                        help=f"comma-separated formats (default: all): {', '.join(format_names())}")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per window (default %(default)s)")
+    parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                        help="at most this many windows (default %(default)s; 0: all the text has)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                        help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--skip-layers", default="",
+                        help="comma-separated layer indices kept in full precision, e.g. 0,-1 (default: none)")
+    parser.add_argument("--residual-tokens", type=int, default=0,
+                        help="most recent tokens per layer kept in full precision (default 0)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_eval_ppl(args: argparse.Namespace) -> int:
+    """Run ``tq eval-ppl``; bad input prints ``error: ...`` and returns 2."""
+    try:
+        return _run_eval_ppl(args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_eval_ppl(args: argparse.Namespace) -> int:
+    import transformers
+
+    from .models import load_model
+
+    presets = parse_presets(args.presets)
+    skip_layers = parse_layer_list(args.skip_layers)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    text, text_label = read_text(args.text)
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, device=device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    windows = token_windows(loaded.tokenizer, text, args.window, args.windows or None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
+          f"text {text_label}: {len(windows)} windows x {args.window} tokens", file=sys.stderr)
+
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    baseline, scores = evaluate_perplexity(loaded.model, windows, presets, skip_layers=skip_layers,
+                                           residual_tokens=args.residual_tokens, progress=not args.no_progress)
+    eval_s, eval_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
+    print(format_table(baseline, scores))
+
+    if args.json:
+        cfg = loaded.model.config.get_text_config(decoder=True)
+        report = {
+            "model": args.model,
+            "model_source": loaded.source,
+            "model_type": cfg.model_type,
+            "num_layers": cfg.num_hidden_layers,
+            "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            "text": text_label,
+            "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "window": args.window,
+            "windows": len(windows),
+            "bos_prepended": leading_bos(loaded.tokenizer) is not None,
+            "tokens_scored": baseline.tokens,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "dtype": dtype_name,
+            "skip_layers": skip_layers,
+            "residual_tokens": args.residual_tokens,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": getattr(args, "command_line", None) or _command_line(),
+            "load_seconds": round(load_s, 1),
+            "eval_seconds": round(eval_s, 1),
+            "eval_cpu_seconds": round(eval_cpu_s, 1),  # process CPU time, all threads
+            "baseline": asdict(baseline),
+            "presets": [asdict(s) for s in scores],
+        }
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _command_line() -> str:
+    """The command as typed: ``tq eval-ppl ...`` (console script or ``python -m turboquant_core.cli``)."""
+    prog = Path(sys.argv[0]).name
+    if prog in ("tq", "cli.py"):
+        prog = "tq" if prog == "tq" else "python -m turboquant_core.cli"
+    return shlex.join([prog, *sys.argv[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_eval_ppl_arguments(argparse.ArgumentParser(
+        prog="python -m turboquant_core.integrations.perplexity", description=__doc__.split("\n\n")[0]))
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["python", "-m", "turboquant_core.integrations.perplexity",
+                                    *(sys.argv[1:] if argv is None else argv)])
+    return run_eval_ppl(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
