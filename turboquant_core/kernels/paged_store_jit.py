@@ -14,7 +14,7 @@ arithmetic, which is exact on every backend (the Triton interpreter's own fp8 ca
 import triton
 import triton.language as tl
 
-from .codec_jit import _pack_store, _quantize_segment, _rotate_rows, _segment_valid
+from .codec_jit import _mse_encode_rows, _rotate_rows
 
 
 @triton.jit
@@ -44,34 +44,6 @@ def _padded_coord(P: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
     """Padded kernel position p -> rotated coordinate (single segment of 8*G coords), and its validity."""
     p = tl.arange(0, P)
     return (p // GP) * G + p % GP, (p % GP) < G
-
-
-@triton.jit
-def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale, sqrt_d,
-                     D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
-                     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-                     NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr):
-    """x [BN, D_PAD] fp32 -> packed indices stored at OUT[out_off + ...]; returns the fp32 scale [BN]
-    (already clamped to the fp16 range). Same arithmetic as ``tq_mse_encode_kernel``."""
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    u = x * tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)[:, None]
-    s_mul = sqrt_d * rot_scale
-    t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
-    idx0 = _quantize_segment(t0 * s_mul, BND0, 1 << B0)
-    c0 = tl.load(CENT0 + idx0)
-    sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), c0 * c0, 0.0), axis=1)
-    _pack_store(idx0, OUT, out_off, row_mask, 0, BN, G0, GP0, B0)
-    if G1 > 0:
-        t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
-        idx1 = _quantize_segment(t1 * s_mul, BND1, 1 << B1)
-        c1 = tl.load(CENT1 + idx1)
-        sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), c1 * c1, 0.0), axis=1)
-        _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
-    if NORM_CORRECTION:
-        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
-    else:
-        scale = norm / sqrt_d
-    return tl.minimum(scale, 65504.0)
 
 
 @triton.jit
