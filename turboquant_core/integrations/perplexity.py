@@ -355,17 +355,17 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
 def _command_line() -> str:
     """The command as typed: ``tq eval-ppl ...`` (console script or ``python -m turboquant_core.cli``)."""
     prog = Path(sys.argv[0]).name
-    if prog in ("tq", "cli.py"):
-        prog = "tq" if prog == "tq" else "python -m turboquant_core.cli"
-    return shlex.join([prog, *sys.argv[1:]])
+    if prog == "cli.py":
+        prog = "python -m turboquant_core.cli"
+    return " ".join([prog, shlex.join(sys.argv[1:])])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = add_eval_ppl_arguments(argparse.ArgumentParser(
         prog="python -m turboquant_core.integrations.perplexity", description=__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
-    args.command_line = shlex.join(["python", "-m", "turboquant_core.integrations.perplexity",
-                                    *(sys.argv[1:] if argv is None else argv)])
+    args.command_line = "python -m turboquant_core.integrations.perplexity " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
     return run_eval_ppl(args)
 
 
