@@ -5,6 +5,7 @@ Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so sha
 """
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -106,16 +107,19 @@ def _mse_near_boundary(x, bits, seed, d, tol=1e-4):
 
 
 def _fp8_near_tie(x, seed):
+    # The kernel rotates the unit vector and scales back: its error is relative to ||x||, not to the
+    # coordinate, so small coordinates need an absolute window too.
     t = rotate(x.float(), seed).clamp(-FP8_MAX, FP8_MAX)
-    up = (t * (1 + 1e-5)).to(torch.float8_e4m3fn).view(torch.uint8)
-    dn = (t * (1 - 1e-5)).to(torch.float8_e4m3fn).view(torch.uint8)
+    eps = 1e-5 * t.abs() + 2e-7 * x.float().norm(dim=-1, keepdim=True)
+    up = (t + eps).to(torch.float8_e4m3fn).view(torch.uint8)
+    dn = (t - eps).to(torch.float8_e4m3fn).view(torch.uint8)
     return up != dn
 
 
 @pytest.mark.parametrize("name", format_names())
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_store_matches_reference(name, d, device):
-    torch.manual_seed(hash((name, d)) % 1000)
+    torch.manual_seed(zlib.crc32(f"{name}-{d}".encode()) % 1000)  # str hashes vary per process
     lay = paged_layout(name, d, BLOCK)
     fmt = lay.fmt
     n, hkv, nb = 23, 2, 3
