@@ -150,6 +150,21 @@ def tq_mse_encode_kernel(
 
 
 @triton.jit
+def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD: tl.constexpr,
+                     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+                     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+                     EXACT_ROT: tl.constexpr, BN: tl.constexpr):
+    """Packed indices at IN[row_off + ...] -> R^T c[idx], [BN, D_PAD] fp32, before the per-row scale.
+    Shared by ``tq_mse_decode_kernel`` and the paged gather-dequant."""
+    idx0 = _load_unpack(IN, row_off, row_mask, 0, BN, G0, GP0, B0)
+    x = _unrotate_rows(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
+    if G1 > 0:
+        idx1 = _load_unpack(IN, row_off, row_mask, B0 * G0, BN, G1, GP1, B1)
+        x += _unrotate_rows(tl.load(CENT1 + idx1), ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
+    return x
+
+
+@triton.jit
 def tq_mse_decode_kernel(
     IN, stride_in, SCALE, ROT_HI, ROT_LO, CENT0, CENT1, OUT, stride_out,
     N, rot_scale,
@@ -164,12 +179,8 @@ def tq_mse_decode_kernel(
     in_off = rows.to(tl.int64) * stride_in
     scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32) * rot_scale
 
-    idx0 = _load_unpack(IN, in_off, rmask, 0, BN, G0, GP0, B0)
-    x = _unrotate_rows(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
-    if G1 > 0:
-        idx1 = _load_unpack(IN, in_off, rmask, B0 * G0, BN, G1, GP1, B1)
-        x += _unrotate_rows(tl.load(CENT1 + idx1), ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
-    x = x * scale[:, None]
+    x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
+                         EXACT_ROT, BN) * scale[:, None]
     i = tl.arange(0, D_PAD)
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + i[None, :], x.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & (i < D)[None, :])

@@ -35,7 +35,7 @@ and not specialized, so CUDA-graph capture at many batch sizes reuses one compil
 import triton
 import triton.language as tl
 
-from .codec_jit import _load_unpack, _rotate_rows, _split_f16, _unrotate_rows
+from .codec_jit import _mse_decode_rows, _rotate_rows, _split_f16, _unrotate_rows
 
 
 @triton.jit
@@ -431,22 +431,14 @@ def tq_paged_gather_dequant_kernel(
         k = k * (amax * k_rot_scale)[:, None]
     else:
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
-        idx0 = _load_unpack(CACHE, krow, tmask, 0, BN, KG0, KGP0, KB0)
-        k = _unrotate_rows(tl.load(KCENT0 + idx0), KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT)
-        if KG1 > 0:
-            idx1 = _load_unpack(CACHE, krow, tmask, KB0 * KG0, BN, KG1, KGP1, KB1)
-            k += _unrotate_rows(tl.load(KCENT1 + idx1), KROT_HI, KROT_LO, 8 * KGP0, 8 * KGP1, D_PAD, K_EXACT)
-        k = k * (k_scale * k_rot_scale)[:, None]
+        k = _mse_decode_rows(CACHE, krow, tmask, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD, KG0, KGP0, KB0,
+                             KG1, KGP1, KB1, K_EXACT, BN) * (k_scale * k_rot_scale)[:, None]
     tl.store(OUT_K + row[:, None] * stride_okt + kvh * stride_okh + i[None, :], k.to(OUT_K.dtype.element_ty),
              mask=omask)
 
     vrow = base + V_IDX_OFF + off * V_ROW
     v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
-    vidx0 = _load_unpack(CACHE, vrow, tmask, 0, BN, VG0, VGP0, VB0)
-    v = _unrotate_rows(tl.load(VCENT0 + vidx0), VROT_HI, VROT_LO, 0, 8 * VGP0, D_PAD, V_EXACT)
-    if VG1 > 0:
-        vidx1 = _load_unpack(CACHE, vrow, tmask, VB0 * VG0, BN, VG1, VGP1, VB1)
-        v += _unrotate_rows(tl.load(VCENT1 + vidx1), VROT_HI, VROT_LO, 8 * VGP0, 8 * VGP1, D_PAD, V_EXACT)
-    v = v * (v_scale * v_rot_scale)[:, None]
+    v = _mse_decode_rows(CACHE, vrow, tmask, VROT_HI, VROT_LO, VCENT0, VCENT1, D_PAD, VG0, VGP0, VB0,
+                         VG1, VGP1, VB1, V_EXACT, BN) * (v_scale * v_rot_scale)[:, None]
     tl.store(OUT_V + row[:, None] * stride_ovt + kvh * stride_ovh + i[None, :], v.to(OUT_V.dtype.element_ty),
              mask=omask)
