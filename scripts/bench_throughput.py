@@ -72,8 +72,10 @@ def worker(args: argparse.Namespace) -> None:
     cache = llm.llm_engine.vllm_config.cache_config
     rng = random.Random(0)
     rows = []
-    # Warm-up: compile paths for prefill and decode outside the timed region.
-    llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(64)]}],
+    # Warm-up outside the timed region: a short prompt (prefill + decode kernels) and, where it fits, one
+    # longer than a scheduler step, so chunked prefill's cached-context path is compiled too.
+    warm = [64] + ([args.max_num_batched_tokens + 64] if args.max_num_batched_tokens + 72 <= max_len else [])
+    llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in warm],
                  SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
     for n_in, n_out, batch in scenarios:
         prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
@@ -84,7 +86,11 @@ def worker(args: argparse.Namespace) -> None:
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append(dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
                          output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el))
-    result = dict(startup_s=startup, num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)
+    import torch
+    import vllm
+
+    result = dict(device=torch.cuda.get_device_name(0), vllm_version=vllm.__version__, startup_s=startup,
+                  num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
 
@@ -145,6 +151,40 @@ def summarize(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], baseline: str, path: Path) -> bool:
+    """Bar chart: output tok/s and KV capacity relative to the baseline, per config and scenario."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    base = next((r for r in rows if r["name"] == baseline and "scenarios" in r), None)
+    ok = [r for r in rows if "scenarios" in r]
+    if base is None or not ok:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(base["scenarios"]), 1)
+    for i, s in enumerate(base["scenarios"]):
+        ratios = [r["scenarios"][i]["output_tok_per_s"] / s["output_tok_per_s"] for r in ok]
+        xs = [j + i * width for j in range(len(ok))]
+        axes[0].bar(xs, ratios, width, label=f"{s['input_len']} in / {s['output_len']} out / batch {s['batch']}")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set_ylabel(f"output tok/s vs {baseline}")
+    axes[0].legend(fontsize=8)
+    caps = [(r.get("kv_capacity_tokens") or 0) / (base.get("kv_capacity_tokens") or 1) for r in ok]
+    axes[1].bar(range(len(ok)), caps, 0.6, color="tab:green")
+    axes[1].set_ylabel(f"KV capacity (tokens) vs {baseline}")
+    for ax in axes:
+        ax.set_xticks([j + (len(base["scenarios"]) - 1) * width / 2 if ax is axes[0] else j for j in range(len(ok))])
+        ax.set_xticklabels([r["name"] for r in ok], rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
@@ -159,11 +199,21 @@ def main(argv=None) -> int:
     ap.add_argument("--cudagraph-sizes", default="", help="comma list of CUDA-graph capture sizes (default: vLLM's)")
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--out", default="throughput.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of an existing --out file and run only configs it does not have")
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and plot of a results file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.report_only:
+        src = Path(args.report_only)
+        rows = json.loads(src.read_text())["results"]
+        src.with_suffix(".md").write_text(summarize(rows, args.baseline) + "\n")
+        plot(rows, args.baseline, src.with_suffix(".png"))
+        print(summarize(rows, args.baseline))
         return 0
     parse_scenarios(args.scenarios)
     configs = parse_configs(args.configs)
@@ -171,13 +221,20 @@ def main(argv=None) -> int:
     log_dir = out.with_suffix("").with_name(out.stem + "-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    if args.resume and out.exists():
+        rows = [r for r in json.loads(out.read_text())["results"] if "scenarios" in r]
+    done = {r["name"] for r in rows}
     for name, install, dtype in configs:
+        if name in done:
+            print(f"[bench] {name}: kept from {out}", flush=True)
+            continue
         rows.append(run_config(args, name, install, dtype, log_dir))
         doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    model=args.model, scenarios=args.scenarios, results=rows)
         out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has
     table = summarize(rows, args.baseline)
     out.with_suffix(".md").write_text(table + "\n")
+    plot(rows, args.baseline, out.with_suffix(".png"))
     print(table)
     return 0
 
