@@ -410,3 +410,27 @@ def test_decode_attention_replays_in_a_cuda_graph():
     graph.replay()
     ref_out, _ = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+@pytest.mark.parametrize("fmt,group,window", [("turboquant_k3v4_nc", 4, None), ("turboquant_k8v4", 1, 8)])
+def test_warmup_kernels_covers_every_query_block_shape_and_touches_one_block(device, fmt, group, window):
+    from turboquant_core.ops.paged import warmup_kernels
+
+    hkv, d, bs = 2, 64, 16
+    layout = paged_layout(fmt, head_dim=d, block_size=bs)
+    cache = allocate_kv_cache(4, hkv, layout, device=device)
+    cache.random_(0, 256, generator=torch.Generator(device=device).manual_seed(5))
+    before = cache.clone()
+    launches = warmup_kernels(cache, layout, hkv * group, hkv, dtype=torch.float16, sliding_window=window,
+                              block_id=2)
+    # only the scratch block changed
+    assert torch.equal(cache[:2], before[:2]) and torch.equal(cache[3:], before[3:])
+    assert not torch.equal(cache[2], before[2])
+    attn = [x for x in launches if x["kernel"] != "store"]
+    decode = {(x["block_m"], x["one_qblock"], x["num_splits"]) for x in attn if x["kernel"] == "decode"}
+    context = {(x["block_m"], x["one_qblock"], x["num_splits"]) for x in attn if x["kernel"] == "context"}
+    assert decode == {(16, True, 1), (16, True, 2)}
+    shapes = {(16, True), (32, True), (64, True), (64, False)}
+    assert context == {(bm, one, s) for bm, one in shapes for s in (1, 2)}
+    first_len = {(x["block_m"], x["one_qblock"]): x["query_len"] for x in attn if x["kernel"] == "context"}
+    assert first_len[(64, False)] == 64 // group + 1

@@ -25,33 +25,73 @@ def _split_f16(x):
     return hi, lo
 
 
+# Above this padded head dim a whole [D_PAD, P] rotation operand no longer fits in shared memory
+# (512 x 512 fp16 = 512 KiB); the products then run over K chunks of ROT_CHUNK rows.
+ROT_CHUNK_ABOVE: tl.constexpr = 256
+ROT_CHUNK: tl.constexpr = 64
+
+
+@triton.jit
+def _chunk(x, c, BN: tl.constexpr, N: tl.constexpr, C: tl.constexpr):
+    """Columns [c*C, (c+1)*C) of a [BN, N] register tile (a masked reduction: Triton cannot slice)."""
+    x3 = tl.reshape(x, (BN, N // C, C))
+    sel = (tl.arange(0, N // C) == c)[None, :, None]
+    return tl.sum(tl.where(sel, x3, 0.0), axis=1)
+
+
 @triton.jit
 def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
     """x [BN, D_PAD] fp32 -> x @ rows[row0:row0+P]^T, [BN, P] fp32."""
     p = tl.arange(0, P)
-    i = tl.arange(0, D_PAD)
-    offs = (row0 + p)[None, :] * D_PAD + i[:, None]  # [D_PAD, P]: transposed view
-    rh = tl.load(ROT_HI + offs)
-    xh, xl = _split_f16(x)
-    t = tl.dot(xh, rh) + tl.dot(xl, rh)
-    if not EXACT_ROT:
-        rl = tl.load(ROT_LO + offs)
-        t += tl.dot(xh, rl)
+    if D_PAD <= ROT_CHUNK_ABOVE:
+        i = tl.arange(0, D_PAD)
+        offs = (row0 + p)[None, :] * D_PAD + i[:, None]  # [D_PAD, P]: transposed view
+        rh = tl.load(ROT_HI + offs)
+        xh, xl = _split_f16(x)
+        t = tl.dot(xh, rh) + tl.dot(xl, rh)
+        if not EXACT_ROT:
+            rl = tl.load(ROT_LO + offs)
+            t += tl.dot(xh, rl)
+    else:
+        BN: tl.constexpr = x.shape[0]
+        i = tl.arange(0, ROT_CHUNK)
+        t = tl.zeros((BN, P), dtype=tl.float32)
+        for c in tl.static_range(D_PAD // ROT_CHUNK):
+            offs = (row0 + p)[None, :] * D_PAD + (c * ROT_CHUNK + i)[:, None]  # [ROT_CHUNK, P]
+            rh = tl.load(ROT_HI + offs)
+            xh, xl = _split_f16(_chunk(x, c, BN, D_PAD, ROT_CHUNK))
+            t += tl.dot(xh, rh) + tl.dot(xl, rh)
+            if not EXACT_ROT:
+                rl = tl.load(ROT_LO + offs)
+                t += tl.dot(xh, rl)
     return t
 
 
 @triton.jit
 def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
     """y [BN, P] fp32 (rotated coords of one segment) -> y @ rows[row0:row0+P], [BN, D_PAD] fp32."""
-    p = tl.arange(0, P)
     i = tl.arange(0, D_PAD)
-    offs = (row0 + p)[:, None] * D_PAD + i[None, :]  # [P, D_PAD]
-    rh = tl.load(ROT_HI + offs)
-    yh, yl = _split_f16(y)
-    x = tl.dot(yh, rh) + tl.dot(yl, rh)
-    if not EXACT_ROT:
-        rl = tl.load(ROT_LO + offs)
-        x += tl.dot(yh, rl)
+    if D_PAD <= ROT_CHUNK_ABOVE or P <= ROT_CHUNK:
+        p = tl.arange(0, P)
+        offs = (row0 + p)[:, None] * D_PAD + i[None, :]  # [P, D_PAD]
+        rh = tl.load(ROT_HI + offs)
+        yh, yl = _split_f16(y)
+        x = tl.dot(yh, rh) + tl.dot(yl, rh)
+        if not EXACT_ROT:
+            rl = tl.load(ROT_LO + offs)
+            x += tl.dot(yh, rl)
+    else:
+        BN: tl.constexpr = y.shape[0]
+        p = tl.arange(0, ROT_CHUNK)
+        x = tl.zeros((BN, D_PAD), dtype=tl.float32)
+        for c in tl.static_range(P // ROT_CHUNK):
+            offs = (row0 + c * ROT_CHUNK + p)[:, None] * D_PAD + i[None, :]  # [ROT_CHUNK, D_PAD]
+            rh = tl.load(ROT_HI + offs)
+            yh, yl = _split_f16(_chunk(y, c, BN, P, ROT_CHUNK))
+            x += tl.dot(yh, rh) + tl.dot(yl, rh)
+            if not EXACT_ROT:
+                rl = tl.load(ROT_LO + offs)
+                x += tl.dot(yh, rl)
     return x
 
 

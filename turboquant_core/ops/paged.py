@@ -582,6 +582,52 @@ class TQAttentionPlan:
         return (out, lse) if return_lse else out
 
 
+def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
+                   dtype: torch.dtype = torch.bfloat16, sliding_window: int | None = None,
+                   softmax_scale: float | None = None, paths: tuple[str, ...] = ("decode", "context"),
+                   block_id: int = 0, config: TQAttentionConfig | None = None) -> list[dict]:
+    """Launch every kernel variant a serving engine reaches once, so Triton compiles them at start-up
+    and not inside the first requests. Returns the launches made (their plan parameters).
+
+    Variants follow from ``TQAttentionPlan.plan``: the store; for "decode" (one query per request,
+    causal, no lse) split and unsplit; for "context" (queries after cached context, with lse: chunked
+    prefill, prefix hits) every (query block size, one-block) shape the query length can select,
+    split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
+    run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
+    its never-read null block) of ``cache`` and reads only it: call before serving."""
+    dev = cache.device
+    d, bs = layout.head_dim, layout.block_size
+    if not 0 <= block_id < cache.shape[0]:
+        raise ValueError(f"block_id {block_id} outside the cache's {cache.shape[0]} blocks")
+    zeros = torch.zeros(bs, num_kv_heads, d, dtype=dtype, device=dev)
+    tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
+    launches = [dict(kernel="store")]
+    plan = TQAttentionPlan(layout, num_q_heads, num_kv_heads, dev, workspace_bytes=2 * (d + 1) * 4 * num_q_heads * 160,
+                           config=config)
+    block_table = torch.full((1, 1), block_id, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), bs, dtype=torch.int32, device=dev)
+    shapes: dict[tuple[int, bool], int] = {}
+    if "context" in paths:
+        # The first query length of every (block_m, one_qblock) the planner can choose.
+        scan_qsl = seq_lens.new_tensor([0, 1])  # contents are not read while planning
+        for qlen in range(1, 2 * 128 + 2):
+            plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
+                      causal=False)
+            shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
+    runs = [("decode", 1, True)] if "decode" in paths else []
+    runs += [("context", qlen, False) for qlen in sorted(shapes.values())]
+    for path, qlen, causal in runs:
+        q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
+        for splits in (1, 2):
+            plan.plan(block_table, seq_lens.new_tensor([0, qlen]), seq_lens, num_tokens=qlen, max_query_len=qlen,
+                      max_seq_len=bs, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                      num_splits=splits)
+            plan.run(q, cache, return_lse=not causal)
+            launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
+                                 num_splits=plan.num_splits))
+    return launches
+
+
 def tq_paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *, max_query_len: int,
                        max_seq_len: int, causal: bool = True, sliding_window: int | None = None,
@@ -708,5 +754,5 @@ __all__ = [
     "attention_coordinate_order", "default_attention_config", "dequant_cached_ref", "kv_cache_shape",
     "merge_attn_states", "page_bytes_per_block", "paged_layout", "read_cached_tokens", "read_slots",
     "tq_gather_dequant", "tq_gather_dequant_ref", "tq_paged_attention", "tq_paged_attention_ref", "tq_store",
-    "tq_store_ref",
+    "tq_store_ref", "warmup_kernels",
 ]
