@@ -25,10 +25,8 @@ def _split_f16(x):
     return hi, lo
 
 
-# Above this padded head dim a whole [D_PAD, P] rotation operand no longer fits in shared memory
-# (512 x 512 fp16 = 512 KiB); the products then run over K chunks of ROT_CHUNK rows.
-ROT_CHUNK_ABOVE: tl.constexpr = 256
-ROT_CHUNK: tl.constexpr = 64
+# Above a padded head dim of 256 a whole [D_PAD, P] rotation operand no longer fits in shared
+# memory (512 x 512 fp16 = 512 KiB); the products then run over K chunks of 64 rows.
 
 
 @triton.jit
@@ -43,7 +41,7 @@ def _chunk(x, c, BN: tl.constexpr, N: tl.constexpr, C: tl.constexpr):
 def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
     """x [BN, D_PAD] fp32 -> x @ rows[row0:row0+P]^T, [BN, P] fp32."""
     p = tl.arange(0, P)
-    if D_PAD <= ROT_CHUNK_ABOVE:
+    if D_PAD <= 256:
         i = tl.arange(0, D_PAD)
         offs = (row0 + p)[None, :] * D_PAD + i[:, None]  # [D_PAD, P]: transposed view
         rh = tl.load(ROT_HI + offs)
@@ -54,12 +52,12 @@ def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, 
             t += tl.dot(xh, rl)
     else:
         BN: tl.constexpr = x.shape[0]
-        i = tl.arange(0, ROT_CHUNK)
+        i = tl.arange(0, 64)
         t = tl.zeros((BN, P), dtype=tl.float32)
-        for c in tl.static_range(D_PAD // ROT_CHUNK):
-            offs = (row0 + p)[None, :] * D_PAD + (c * ROT_CHUNK + i)[:, None]  # [ROT_CHUNK, P]
+        for c in tl.static_range(D_PAD // 64):
+            offs = (row0 + p)[None, :] * D_PAD + (c * 64 + i)[:, None]  # [64, P]
             rh = tl.load(ROT_HI + offs)
-            xh, xl = _split_f16(_chunk(x, c, BN, D_PAD, ROT_CHUNK))
+            xh, xl = _split_f16(_chunk(x, c, BN, D_PAD, 64))
             t += tl.dot(xh, rh) + tl.dot(xl, rh)
             if not EXACT_ROT:
                 rl = tl.load(ROT_LO + offs)
@@ -71,7 +69,7 @@ def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, 
 def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
     """y [BN, P] fp32 (rotated coords of one segment) -> y @ rows[row0:row0+P], [BN, D_PAD] fp32."""
     i = tl.arange(0, D_PAD)
-    if D_PAD <= ROT_CHUNK_ABOVE or P <= ROT_CHUNK:
+    if D_PAD <= 256 or P <= 64:
         p = tl.arange(0, P)
         offs = (row0 + p)[:, None] * D_PAD + i[None, :]  # [P, D_PAD]
         rh = tl.load(ROT_HI + offs)
@@ -82,12 +80,12 @@ def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr
             x += tl.dot(yh, rl)
     else:
         BN: tl.constexpr = y.shape[0]
-        p = tl.arange(0, ROT_CHUNK)
+        p = tl.arange(0, 64)
         x = tl.zeros((BN, D_PAD), dtype=tl.float32)
-        for c in tl.static_range(P // ROT_CHUNK):
-            offs = (row0 + c * ROT_CHUNK + p)[:, None] * D_PAD + i[None, :]  # [ROT_CHUNK, D_PAD]
+        for c in tl.static_range(P // 64):
+            offs = (row0 + c * 64 + p)[:, None] * D_PAD + i[None, :]  # [64, D_PAD]
             rh = tl.load(ROT_HI + offs)
-            yh, yl = _split_f16(_chunk(y, c, BN, P, ROT_CHUNK))
+            yh, yl = _split_f16(_chunk(y, c, BN, P, 64))
             x += tl.dot(yh, rh) + tl.dot(yl, rh)
             if not EXACT_ROT:
                 rl = tl.load(ROT_LO + offs)
