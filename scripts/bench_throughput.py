@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -108,12 +109,17 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict
         cmd.append("--enforce-eager")
     print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}", flush=True)
     t = time.perf_counter()
+    # Own process group: on a timeout the engine's worker processes go too (else they keep the GPU memory
+    # and every later config fails to start).
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, err, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
-            (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""), "timeout"
+        out, err = p.communicate(timeout=args.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        rc = "timeout"
     (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
     row = dict(name=name, install=install, kv_cache_dtype=dtype, wall_s=time.perf_counter() - t, returncode=rc)
     m = re.search(r"GPU KV cache size: ([\d,]+) tokens", out + err)

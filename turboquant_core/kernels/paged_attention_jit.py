@@ -221,7 +221,12 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
     return m_new, l_i, acc0, acc1
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "window"])
+# Arguments that vary with the batch are not specialized (Triton otherwise compiles one variant per
+# value class: == 1, divisible by 16, 16-byte aligned pointer or not): counts, the lse / partials
+# strides (they follow the token count), the block table (a row slice of vLLM's table: its start
+# alignment follows the number of decode requests before it) and its row stride.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "window", "BLOCK_TABLE", "stride_bt", "QUERY_START",
+                               "SEQ_LENS", "stride_lh", "stride_pos", "stride_pot", "stride_pls"])
 def tq_paged_attention_kernel(
     Q, stride_qt, stride_qh,
     CACHE, CACHE16, stride_cb, stride_ch,
@@ -361,7 +366,7 @@ def tq_paged_attention_kernel(
         tl.store(PART_L + sp * stride_pls + tok * stride_plt + head, lse2, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_pos", "stride_pot", "stride_pls", "stride_lh"])
 def tq_merge_splits_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     OUT, stride_ot, stride_oh, LSE, stride_lh, num_splits,
@@ -390,7 +395,7 @@ def tq_merge_splits_kernel(
         tl.store(LSE + head * stride_lh + tok, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS", "CU_KV"])
 def tq_paged_gather_dequant_kernel(
     CACHE, CACHE16, stride_cb, stride_ch,
     BLOCK_TABLE, stride_bt, SEQ_LENS, CU_KV,

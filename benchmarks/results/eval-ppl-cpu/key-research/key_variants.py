@@ -272,7 +272,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--presets", default="turboquant_4bit_nc=4,turboquant_k3v4_nc=3",
                     help="comma-separated name=key_bits (values are 4-bit)")
-    ap.add_argument("--only", default=None, help="comma-separated substrings: run only variants whose name has one")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated substrings of 'preset | variant' names, or =variant for an exact "
+                         "variant name: run only the matching variants")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -290,7 +292,9 @@ def main() -> None:
     table = variant_table(preset_bits)
     if args.only:
         keys = [s.strip() for s in args.only.split(",")]
-        table = {k: v for k, v in table.items() if any(s in k for s in keys)}
+        exact = {s[1:] for s in keys if s.startswith("=")}
+        table = {k: v for k, v in table.items()
+                 if k.partition(" | ")[2] in exact or any(s in k for s in keys if not s.startswith("="))}
     quantizers = {}
     for v in table.values():
         quantizers.setdefault(("k", v.k_bits), MSEQuantizer(d, v.k_bits, True, KEY_SEED))
@@ -309,6 +313,7 @@ def main() -> None:
         return hook
 
     captured_k: dict[int, torch.Tensor] = {}
+    captured_v: dict[int, torch.Tensor] = {}
     captured_rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def k_hook(idx):
@@ -316,6 +321,11 @@ def main() -> None:
             if out.dim() == 3:  # k_proj output [B, T, Hkv*d]
                 out = out.view(out.shape[0], out.shape[1], n_kv, d).transpose(1, 2)
             captured_k[idx] = out[0].float()  # [Hkv, T, d], before RoPE
+        return hook
+
+    def v_hook(idx):
+        def hook(_module, _inp, out):
+            captured_v[idx] = out[0].float().view(out.shape[1], n_kv, d).transpose(0, 1)  # [Hkv, T, d]
         return hook
 
     def rope_hook(idx):
@@ -329,6 +339,7 @@ def main() -> None:
         has_norm = getattr(attn, "q_norm", None) is not None
         (attn.q_norm if has_norm else attn.q_proj).register_forward_hook(q_hook(i))
         (attn.k_norm if has_norm else attn.k_proj).register_forward_hook(k_hook(i))
+        attn.v_proj.register_forward_hook(v_hook(i))
         attn.register_forward_pre_hook(rope_hook(i), with_kwargs=True)
 
     nll = dict.fromkeys(table, 0.0)
@@ -346,16 +357,16 @@ def main() -> None:
         wins = []
         for i, layer in enumerate(cache.layers):
             q = captured[i]
-            wins.append({
-                "k": layer.keys[0].float(), "v": layer.values[0].float(), "k_pre": captured_k[i],
-                "cos": captured_rope[i][0], "sin": captured_rope[i][1],
-                "rms_q": group_q(pair_rms(q).pow(2).mean(1).sqrt(), n_kv),
-                "q": q,
-            })
-        # The captured pre-RoPE keys and cos/sin must give back the cached keys (else the hooks are wrong).
-        rope_err = max(float((apply_rope(w["k_pre"], w["cos"], w["sin"]) - w["k"]).abs().max()) for w in wins)
-        if rope_err > 1e-3:
-            raise RuntimeError(f"pre-RoPE key capture does not match the cache (max error {rope_err:.3g})")
+            cos, sin = captured_rope[i]
+            k = apply_rope(captured_k[i], cos, sin)
+            # The cached keys must equal RoPE(captured pre-RoPE keys) (else the hooks are wrong). Sliding-window
+            # layers keep only the last tokens, hence the comparison on the cached tail.
+            cached = layer.keys[0].float()
+            rope_err = float((k[:, -cached.shape[1]:] - cached).abs().max())
+            if rope_err > 1e-3:
+                raise RuntimeError(f"layer {i}: pre-RoPE key capture does not match the cache (error {rope_err:.3g})")
+            wins.append({"k": k, "v": captured_v[i], "k_pre": captured_k[i], "cos": cos, "sin": sin, "q": q,
+                         "rms_q": group_q(pair_rms(q).pow(2).mean(1).sqrt(), n_kv)})
         for name, var in tqdm(table.items(), desc="variants", leave=False):
             fns = [make_fns(var, d, wstats[i], wins[i], quantizers) for i in range(n_layers)]
             c = Cache(layers=[DequantizedLayer(kf, vf) for kf, vf in fns])
