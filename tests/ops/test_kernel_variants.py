@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which compiled variants the paged kernels need, computed on the CPU for a Hopper target.
+
+Triton compiles one variant per *specialization* of a launch: constexprs, options, and the value class
+of every non-constexpr argument (an int == 1 or divisible by 16, a pointer 16-byte aligned or not).
+A serving engine must not hit a variant its start-up warm-up (``ops.paged.warmup_kernels``) did not
+compile. This test runs the real launchers with CPU tensors in a subprocess where Triton is *not*
+interpreted, replaces ``JITFunction.run`` by a probe that computes the specialization key with
+Triton's own binder for an sm_90 target (no compilation, no launch), and checks that serving-like
+batches (sliced block tables, every token count, odd strides) only produce keys the warm-up produced.
+It also compiles every warm-up variant to a cubin for sm_90 (Triton's bundled ptxas), which catches
+code that the interpreter accepts and the GPU compiler rejects.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBE = r'''
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile as triton_compile, make_backend
+from triton.runtime import jit as tjit
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+MODE = sys.argv[1]
+seen = []
+binders = {}
+compiled = {}
+
+
+def probe_run(self, *args, grid, warmup, **kwargs):
+    kwargs["debug"] = False
+    kwargs["instrumentation_mode"] = ""
+    if self not in binders:
+        binders[self] = tjit.create_function_from_signature(self.signature, self.params, BACKEND)
+    bound_args, spec, options = binders[self](*args, **kwargs)
+    key = str(tjit.compute_cache_key({}, spec, options))
+    seen.append((self.fn.__name__, key))
+    if MODE == "compile" and key not in compiled:
+        options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, spec, options)
+        src = self.ASTSource(self, signature, constexprs, attrs) if hasattr(self, "ASTSource") else \
+            triton.compiler.ASTSource(self, signature, constexprs, attrs)
+        k = triton_compile(src, target=TARGET, options=options.__dict__)
+        compiled[key] = dict(kernel=self.fn.__name__, shared=k.metadata.shared)
+    return None
+
+
+tjit.JITFunction.run = probe_run
+
+from turboquant_core.ops.paged import (TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store,
+                                       warmup_kernels)
+
+fmt, hq, hkv, d, window = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+window = None if window == "none" else int(window)
+bs = 16
+layout = paged_layout(fmt, head_dim=d, block_size=bs)
+cache = allocate_kv_cache(64, hkv, layout)
+warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window)
+warm = set(seen)
+if MODE == "compile":
+    print(json.dumps(dict(compiled=list(compiled.values()))))
+    sys.exit(0)
+
+seen.clear()
+# Serving-like launches: qkv-shaped query views, a persistent block table with 530 columns whose row
+# slices start anywhere, every token count up to 130 for the context path, many batch sizes for decode.
+max_blocks, max_tokens = 530, 600
+table = torch.zeros(70, max_blocks, dtype=torch.int32)
+qkv = torch.zeros(max_tokens, (hq + 2 * hkv) * d, dtype=torch.bfloat16)
+query = qkv[:, : hq * d].view(max_tokens, hq, d)
+key = qkv[:, hq * d : (hq + hkv) * d].view(max_tokens, hkv, d)
+value = qkv[:, (hq + hkv) * d :].view(max_tokens, hkv, d)
+output = torch.zeros(max_tokens, hq, d, dtype=torch.bfloat16)
+seq = torch.full((70,), 40, dtype=torch.int32)
+plan = TQAttentionPlan(layout, hq, hkv, "cpu", workspace_bytes=32 << 20)
+for n in (1, 3, 7, 16, 33, 64, 128, 300, 600):  # store: any number of tokens
+    tq_store(key[:n], value[:n], cache, torch.arange(n), layout)
+for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's long max_seq_len
+    for max_seq in (40, 8192):
+        qsl = torch.arange(reqs + 1, dtype=torch.int32)
+        plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
+                  causal=True, sliding_window=window)
+        plan.run(query[:reqs], cache, out=output[:reqs])
+for first in (0, 1, 3, 8):  # context after `first` decode rows: table slices start at row `first`
+    for ntok in list(range(1, 131)) + [257, 512]:
+        for reqs in (1, 2, 3):
+            if ntok < reqs:
+                continue
+            qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
+            ctx = torch.full((reqs,), 24, dtype=torch.int32)
+            q = query[first : first + ntok]
+            longest = int((qsl[1:] - qsl[:-1]).max())
+            plan.plan(table[first : first + reqs], qsl, ctx, num_tokens=ntok, max_query_len=longest,
+                      max_seq_len=24, causal=False, sliding_window=window)
+            out = torch.empty(q.shape, dtype=q.dtype)
+            plan.run(q, cache, out=out, return_lse=True)
+serve = set(seen)
+print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
+                      kernels=sorted({k for k, _ in serve}))))
+'''
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CASES = [
+    ("turboquant_k3v4_nc", 32, 8, 128, "none"),  # Qwen3-8B heads
+    ("turboquant_4bit_nc", 9, 3, 64, "none"),  # SmolLM2 heads
+    ("turboquant_k8v4", 4, 1, 256, "512"),  # Gemma 3 sliding layers
+]
+
+
+def _probe(mode: str, case) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", PROBE, mode, *map(str, case)], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=ROOT)
+    if p.returncode != 0:
+        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_warmup_covers_every_serving_variant(case):
+    res = _probe("keys", case)
+    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
+    assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_merge_splits_kernel"}
+    # store + decode (2) + context (4 shapes x 2) + merge (with and without lse)
+    assert len(res["warm"]) == 1 + 2 + 8 + 2
+
+
+@pytest.mark.slow
+def test_warmup_variants_compile_for_sm90():
+    res = _probe("compile", CASES[0])
+    names = [c["kernel"] for c in res["compiled"]]
+    assert len(names) == 13 and names.count("tq_paged_attention_kernel") == 10
+    assert all(c["shared"] <= 232448 for c in res["compiled"])  # H100/H200 limit per block
