@@ -272,6 +272,9 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="comma-separated layer indices kept in full precision, e.g. 0,-1 (default: none)")
     parser.add_argument("--residual-tokens", type=int, default=0,
                         help="most recent tokens per layer kept in full precision (default 0)")
+    parser.add_argument("--key-smoothing", action="store_true",
+                        help="fold weight-derived key smoothing into the model first (data-free, logits unchanged; "
+                             "see turboquant_core.integrations.key_smoothing)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -300,6 +303,10 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     loaded = load_model(args.model, device=device, dtype=dtype)
     load_s = time.perf_counter() - t0
+    if args.key_smoothing:
+        from .key_smoothing import apply_key_smoothing
+
+        apply_key_smoothing(loaded.model)
     windows = token_windows(loaded.tokenizer, text, args.window, args.windows or None)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
@@ -334,6 +341,7 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
             "dtype": dtype_name,
             "skip_layers": skip_layers,
             "residual_tokens": args.residual_tokens,
+            "key_smoothing": bool(args.key_smoothing),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
