@@ -406,7 +406,8 @@ class TQAttentionConfig:
     num_warps: int = 0  # 0: 4 (8 for block_m 128)
     num_stages: int = 2
     block_m: int = 0  # 0: chosen from GQA group size x queries per request (16 for decode)
-    q_hilo: bool = True  # rotated query as an fp16 hi + lo pair: fp32-level scores (~7% slower than fp16)
+    q_hilo: bool = False  # True: rotated query as an fp16 hi + lo pair, fp32-level scores (~7% slower); fp16
+    # alone already keeps 3 more mantissa bits than the bf16 query it comes from, far below the key error
     asm_lookup: bool = True  # codebook lookup as an elementwise PTX load (GPU only; ignored when interpreting)
     pair_bits: int = 4  # segments of at most this many bits look up two indices per load (table 2**(2b) x 4 B)
     maxnreg: int = 0  # register cap per thread, GPU only (0: 128 for decode-sized blocks, else none)
