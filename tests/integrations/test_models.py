@@ -62,7 +62,8 @@ def test_gemma_join_checks_the_hash_and_leaves_nothing_behind(tmp_path, monkeypa
     assert list(cache.iterdir()) == []  # no partial file, no temporary left
 
 
-def test_gemma_join_names_the_pip_command_when_a_part_is_missing(monkeypatch):
+def test_gemma_join_names_the_pip_command_when_a_part_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv(models.CACHE_DIR_ENV, str(tmp_path))  # no joined file from an earlier run
     real = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
                         lambda name, *a: None if name == GEMMA3_PART_PACKAGES[2] else real(name, *a))
