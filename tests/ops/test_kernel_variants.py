@@ -55,15 +55,17 @@ def probe_run(self, *args, grid, warmup, **kwargs):
 
 tjit.JITFunction.run = probe_run
 
-from turboquant_core.ops.paged import (TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store,
-                                       warmup_kernels)
+from turboquant_core.ops.paged import (TQAttentionConfig, TQAttentionPlan, allocate_kv_cache, paged_layout,
+                                       tq_store, warmup_kernels)
 
 fmt, hq, hkv, d, window = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 window = None if window == "none" else int(window)
 bs = 16
 layout = paged_layout(fmt, head_dim=d, block_size=bs)
 cache = allocate_kv_cache(64, hkv, layout)
-warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window)
+asm = len(sys.argv) < 8 or sys.argv[7] == "asm"
+warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window,
+               config=TQAttentionConfig(asm_lookup=asm))
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -116,9 +118,9 @@ CASES = [
 ]
 
 
-def _probe(mode: str, case) -> dict:
+def _probe(mode: str, case, *extra: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", PROBE, mode, *map(str, case)], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", PROBE, mode, *map(str, case), *extra], env=env, capture_output=True,
                        text=True, timeout=900, cwd=ROOT)
     if p.returncode != 0:
         pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
@@ -141,3 +143,15 @@ def test_warmup_variants_compile_for_sm90():
     names = [c["kernel"] for c in res["compiled"]]
     assert len(names) == 13 and names.count("tq_paged_attention_kernel") == 10
     assert all(c["shared"] <= 232448 for c in res["compiled"])  # H100/H200 limit per block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["turboquant_3p5bit_nc", "turboquant_2p5bit_nc"])
+def test_two_segment_formats_at_head_dim_64_compile_for_sm90(fmt):
+    """Two 32-wide segments (head_dim 64) in a 64-row block make Triton 3.6's dot-operand pass fail with
+    plain loads, and the inline-PTX build of the same kernel read illegal addresses on an H100 (SmolLM2,
+    GQA group 3). The planner keeps such formats at <= 32 rows; this compiles every warm-up variant
+    with plain loads, where the compiler failure shows on the CPU."""
+    res = _probe("compile", (fmt, 9, 3, 64, "none"), "plain")
+    names = [c["kernel"] for c in res["compiled"]]
+    assert names.count("tq_paged_attention_kernel") == 8  # decode (2) + context (3 shapes x 2)

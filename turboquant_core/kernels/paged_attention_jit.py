@@ -2,8 +2,11 @@
 """Attention over paged TurboQuant KV pages, computed in the rotated domain (jit only).
 
 One program serves one (query block, KV head, KV split). Its M rows are the query heads of the GQA
-group times the queries of the block (row m: query m // GQ, head m % GQ), so each compressed page is
-read once per group, not once per query head.
+group times the queries of the block (row m: query m // GQ_PAD, head m % GQ_PAD), so each compressed
+page is read once per group, not once per query head. The group is padded to a power of two (GQ_PAD;
+rows with m % GQ_PAD >= GQ are masked): row-to-query maps stay shifts, and Triton 3.6 fails to compile
+(or, with the inline-PTX lookups, miscompiles into illegal addresses) a 64-row block of two 32-wide
+segments when the group is 3.
 
 Math (TurboQuant identity x_hat = R^T (scale * c[idx])):
 - keys:   s = k_scale * <R_K q, c_K[idx]>  (fp8 keys: <R_K q, k_fp8>), R_K q computed once per row;
@@ -235,7 +238,7 @@ def tq_paged_attention_kernel(
     OUT, stride_ot, stride_oh, LSE, stride_lh,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_reqs, num_splits, qk_scale, v_rot_scale, window,
-    D: tl.constexpr, D_PAD: tl.constexpr, GQ: tl.constexpr, QPB: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, QPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
@@ -267,10 +270,11 @@ def tq_paged_attention_kernel(
     n_rows_q = tl.minimum(nq - q_first, QPB)  # <= 0: nothing to do (padding block)
 
     m = tl.arange(0, BLOCK_M)
-    qi = m // GQ
-    row_valid = (qi < n_rows_q) & (m < QPB * GQ)
+    qi = m // GQ_PAD  # BLOCK_M == QPB * GQ_PAD
+    r = m % GQ_PAD
+    row_valid = (qi < n_rows_q) & (r < GQ)
     tok = (q_start + q_first + qi).to(tl.int64)
-    head = kvh * GQ + m % GQ
+    head = kvh * GQ + r
     if CAUSAL:
         pos0 = kv_len - nq + q_first
     else:

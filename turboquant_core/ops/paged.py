@@ -464,6 +464,12 @@ class TQAttentionPlan:
         self.max_num_splits = max_num_splits
         self.workspace = torch.empty(max(workspace_bytes // 4, 1), dtype=torch.float32, device=self.device)
         self.k_tables, self.v_tables = _layout_tables(layout, self.device)
+        # Triton 3.6 cannot build a 64-row block whose segment products are 32 wide (two-segment
+        # formats at head_dim 64: its dot-operand pass fails, and the inline-PTX variant compiles
+        # into illegal addresses on an H100); such formats use blocks of at most 32 rows.
+        cx = {**self.k_tables.constexprs("K", layout.key_is_fp8), **self.v_tables.constexprs("V")}
+        widths = [8 * cx[f"{c}GP{s}"] for c in "KV" for s in "01" if cx[f"{c}G{s}"] > 0]
+        self.max_auto_block_m = 32 if min(widths) < 64 else 64
         self._planned = False
 
     def plan(self, block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -490,9 +496,13 @@ class TQAttentionPlan:
         d, g = self.layout.head_dim, self.group
         cfg = self.config
         max_query_len = max(int(max_query_len), 1)
-        block_m = cfg.block_m or min(max(16, triton.next_power_of_2(g * max_query_len)), 64)
-        block_m = max(block_m, triton.next_power_of_2(g), 16)
-        qpb = block_m // g
+        g_pad = triton.next_power_of_2(g)  # rows per query in a block (see the kernel's docstring)
+        block_m = cfg.block_m or min(max(16, triton.next_power_of_2(g_pad * max_query_len)),
+                                     self.max_auto_block_m)
+        block_m = max(block_m, g_pad, 16)
+        if block_m & (block_m - 1):
+            raise ValueError(f"block_m must be a power of two, got {cfg.block_m}")
+        qpb = block_m // g_pad
         one_qblock = max_query_len <= qpb
         est_qblocks = num_reqs if one_qblock else num_reqs + num_tokens // qpb
         if num_splits is None:
@@ -565,7 +575,7 @@ class TQAttentionPlan:
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             self.num_reqs, s, self.softmax_scale * kt.codec.rot_scale / LN2, vt.codec.rot_scale,
             self.sliding_window or 0,
-            D=d, D_PAD=kt.codec.dim_pad, GQ=self.group, QPB=self.qpb, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            D=d, D_PAD=kt.codec.dim_pad, GQ=self.group, GQ_PAD=self.block_m // self.qpb, QPB=self.qpb, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             K_FP8=lay.key_is_fp8, SPLIT=s > 1, ONE_QBLOCK=self.one_qblock, CAUSAL=self.causal,
             HAS_WINDOW=self.sliding_window is not None, WRITE_LSE=write_lse, WHILE_LOOP=_interpreting(),
             Q_HILO=cfg.q_hilo, ASM_LOOKUP=cfg.asm_lookup and not _interpreting(), PAIR_BITS=cfg.pair_bits,
