@@ -1,10 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
+import re
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from turboquant_core.integrations.key_smoothing import apply_key_smoothing, pair_rms, smoothing_scales  # noqa: E402
+from turboquant_core.integrations.key_smoothing import (  # noqa: E402
+    KeySmoothingUnsupported,
+    apply_key_smoothing,
+    apply_key_smoothing_fused,
+    pair_rms,
+    smooth_fused_layer,
+    smoothing_scales,
+    weight_scales,
+)
 from turboquant_core.quantizer import MSEQuantizer  # noqa: E402
 
 
@@ -81,3 +91,253 @@ class _NotADecoder(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.config = transformers.LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused (vLLM-style) front-end. The classes below mirror the attributes vLLM 0.26's Llama /
+# Qwen2 / Qwen3 / Gemma 3 decoder layers expose (vLLM itself is not needed): a fused qkv_proj of
+# [q rows | k rows | v rows] per tensor-parallel rank, RMSNorm (x * w) or GemmaRMSNorm (x * (1 + w)),
+# rotary_emb with is_neox_style / rotary_dim / head_size.
+# ----------------------------------------------------------------------------------------------
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, weight, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.has_weight = True
+        self.eps = eps
+
+    def gain(self):
+        return self.weight.float()
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gain()
+
+
+class GemmaRMSNorm(RMSNorm):  # vLLM's GemmaRMSNorm is not an RMSNorm subclass; the name is what counts
+    def gain(self):
+        return 1.0 + self.weight.float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, head_size, rotary_dim=None, is_neox_style=True):
+        super().__init__()
+        self.head_size, self.rotary_dim = head_size, rotary_dim or head_size
+        self.is_neox_style = is_neox_style
+
+    def forward(self, positions, x):  # x [T, H, d]; rotate-half pairs (i, i + d/2)
+        h = self.head_size // 2
+        inv = 1.0 / (10000 ** (torch.arange(h, dtype=torch.float32) / h))
+        ang = positions.float()[:, None, None] * inv
+        cos, sin = ang.cos(), ang.sin()
+        a, b = x[..., :h], x[..., h:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class FusedAttention(torch.nn.Module):
+    def __init__(self, qkv_weight, qkv_bias, n_q, n_kv, d, q_norm=None, k_norm=None, rope=None):
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(qkv_weight.shape[1], qkv_weight.shape[0], bias=qkv_bias is not None)
+        with torch.no_grad():
+            self.qkv_proj.weight.copy_(qkv_weight)
+            if qkv_bias is not None:
+                self.qkv_proj.bias.copy_(qkv_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = n_q, n_kv, d
+        self.q_size, self.kv_size = n_q * d, n_kv * d
+        self.rotary_emb = rope if rope is not None else RotaryEmbedding(d)
+        if q_norm is not None:
+            self.q_norm, self.k_norm = q_norm, k_norm
+
+    @torch.no_grad()
+    def qk(self, x):
+        """x [T, hidden] (normalized) -> q [T, n_q, d], k [T, n_kv, d] after q/k norm and RoPE."""
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].unflatten(-1, (self.num_heads, self.head_dim))
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = torch.arange(x.shape[0])
+        return self.rotary_emb(pos, q), self.rotary_emb(pos, k)
+
+
+class FusedLayer(torch.nn.Module):
+    def __init__(self, self_attn, input_layernorm):
+        super().__init__()
+        self.self_attn, self.input_layernorm = self_attn, input_layernorm
+
+    def logits(self, hidden):
+        q, k = self.self_attn.qk(self.input_layernorm(hidden))
+        g = q.shape[1] // k.shape[1]
+        return torch.einsum("thd,shd->hts", q, k.repeat_interleave(g, dim=1)), k
+
+
+class FusedModel(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(layers)
+
+
+def _fused_from_hf(hf, tp_rank=0, tp_size=1):
+    """A vLLM-style copy of the HF model's attention weights (rank ``tp_rank`` of ``tp_size``)."""
+    cfg = hf.config.get_text_config(decoder=True)
+    norm_cls = GemmaRMSNorm if cfg.model_type.startswith("gemma") else RMSNorm
+    n_q, n_kv, d = cfg.num_attention_heads // tp_size, max(1, cfg.num_key_value_heads // tp_size), cfg.head_dim
+    kv0 = (tp_rank * cfg.num_key_value_heads // tp_size) if cfg.num_key_value_heads >= tp_size else 0
+    qs, ks = slice(tp_rank * n_q * d, (tp_rank + 1) * n_q * d), slice(kv0 * d, (kv0 + n_kv) * d)
+    layers = []
+    for hl in hf.model.layers:
+        a = hl.self_attn
+        w = torch.cat([a.q_proj.weight[qs], a.k_proj.weight[ks], a.v_proj.weight[ks]])
+        b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias[qs], a.k_proj.bias[ks], a.v_proj.bias[ks]])
+        qn = kn = None
+        if hasattr(a, "q_norm"):
+            qn, kn = norm_cls(a.q_norm.weight), norm_cls(a.k_norm.weight)
+        layers.append(FusedLayer(FusedAttention(w, b, n_q, n_kv, d, qn, kn), norm_cls(hl.input_layernorm.weight)))
+    return FusedModel(layers)
+
+
+KINDS = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_front_end_matches_hf(kind):
+    hf = _tiny(kind)
+    fused = _fused_from_hf(hf)
+    # rows: 4 query heads x 32 | 2 KV heads x 32 (k) | 2 x 32 (v)
+    v_rows = [layer.self_attn.qkv_proj.weight[192:].clone() for layer in fused.model.layers]
+    hf_layers = apply_key_smoothing(hf)
+    fused_scales = [smooth_fused_layer(layer) for layer in fused.model.layers]
+    for hl, fl, s_hf, s_f, v_before in zip(hf.model.layers, fused.model.layers, hf_layers, fused_scales, v_rows):
+        torch.testing.assert_close(s_f, s_hf.scales, rtol=1e-6, atol=0)
+        a, w = hl.self_attn, fl.self_attn.qkv_proj.weight
+        # The same weights come out: q rows, k rows (and biases), or the q/k norm gains; v untouched.
+        torch.testing.assert_close(w[:128], a.q_proj.weight, rtol=1e-6, atol=0)
+        torch.testing.assert_close(w[128:192], a.k_proj.weight, rtol=1e-6, atol=0)
+        assert torch.equal(w[192:], v_before)
+        if a.q_proj.bias is not None:
+            torch.testing.assert_close(fl.self_attn.qkv_proj.bias[:192], torch.cat([a.q_proj.bias, a.k_proj.bias]),
+                                       rtol=1e-6, atol=0)
+        if hasattr(a, "q_norm"):
+            torch.testing.assert_close(fl.self_attn.q_norm.weight, a.q_norm.weight, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(fl.self_attn.k_norm.weight, a.k_norm.weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_logits_after_rope_unchanged_and_keys_rescaled(kind):
+    fused = _fused_from_hf(_tiny(kind))
+    hidden = torch.randn(20, 64, generator=torch.Generator().manual_seed(5))
+    before = [layer.logits(hidden) for layer in fused.model.layers]
+    summary = apply_key_smoothing_fused(fused)
+    assert summary.smoothed == ["model.layers.0", "model.layers.1"] and summary.skipped == []
+    assert summary.describe() == "2 of 2 decoder layers smoothed"
+    for layer, (logits0, k0) in zip(fused.model.layers, before):
+        logits1, k1 = layer.logits(hidden)
+        torch.testing.assert_close(logits1, logits0, rtol=1e-5, atol=1e-5 * logits0.abs().max().item())
+        rms0, rms1 = k0.pow(2).mean(0).sqrt(), k1.pow(2).mean(0).sqrt()  # per KV head and channel
+        assert not torch.allclose(rms1, rms0, rtol=0.05)
+        # one scale per RoPE pair: the pair rms of the keys changes by exactly s
+        s = (pair_rms(k1) / pair_rms(k0)).mean(0)
+        torch.testing.assert_close(pair_rms(k1), pair_rms(k0) * s, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_tensor_parallel_rank_uses_its_kv_heads():
+    hf = _tiny("llama")  # 4 query heads, 2 KV heads: with 2 ranks, one KV head each
+    ref = apply_key_smoothing(_tiny("llama"))
+    for rank in range(2):
+        fused = _fused_from_hf(hf, rank, 2)
+        s = smooth_fused_layer(fused.model.layers[0])
+        torch.testing.assert_close(s, ref[0].scales[rank:rank + 1], rtol=1e-6, atol=0)
+
+
+def _random_layer(d=32, n_q=4, n_kv=2, hidden=48, qk_norm=False, rope=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn((n_q + 2 * n_kv) * d, hidden, generator=g)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = RMSNorm(torch.rand(d, generator=g) * 2), RMSNorm(torch.rand(d, generator=g) * 2)
+    attn = FusedAttention(w, None, n_q, n_kv, d, qn, kn, rope)
+    attn.qkv_proj.weight = torch.nn.Parameter(attn.qkv_proj.weight.detach().to(dtype), requires_grad=False)
+    return FusedLayer(attn, RMSNorm(torch.rand(hidden, generator=g) + 0.5))
+
+
+def _state(layer):  # float8 has no torch.equal on the CPU: compare the bytes
+    return {k: v.detach().clone().view(torch.uint8) if v.element_size() == 1 else v.detach().clone()
+            for k, v in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("interleaved", "not rotate-half"),
+    ("partial_rotary", "rotary_dim 16"),
+    ("no_rope", "no rotary_emb"),
+    ("int8", "int8, not float16/bfloat16/float32"),
+    ("float8", "float8_e4m3fn, not float16/bfloat16/float32"),
+    ("odd_head_dim", "odd head_dim 7"),
+    ("layernorm_qk", "LayerNorm, not RMSNorm"),
+    ("bad_shape", "expected (256, hidden)"),
+])
+def test_fused_refusals_leave_the_layer_untouched(case, reason):
+    kw = {}
+    if case == "interleaved":
+        kw["rope"] = RotaryEmbedding(32, is_neox_style=False)
+    elif case == "partial_rotary":
+        kw["rope"] = RotaryEmbedding(32, rotary_dim=16)
+    elif case == "int8":
+        kw["dtype"] = torch.int8
+    elif case == "float8":
+        kw["dtype"] = torch.float8_e4m3fn
+    elif case == "odd_head_dim":
+        kw = dict(d=7, rope=RotaryEmbedding(7))
+    elif case == "layernorm_qk":
+        kw["qk_norm"] = True
+    layer = _random_layer(**kw)
+    if case == "no_rope":
+        del layer.self_attn.rotary_emb
+    elif case == "layernorm_qk":
+        layer.self_attn.k_norm = torch.nn.LayerNorm(32)
+    elif case == "bad_shape":
+        layer.self_attn.qkv_proj.weight.data = layer.self_attn.qkv_proj.weight.data[:-8]
+    state = _state(layer)
+    with pytest.raises(KeySmoothingUnsupported, match=re.escape(reason)):
+        smooth_fused_layer(layer)
+    after = _state(layer)
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+    model = FusedModel([_random_layer(), layer])
+    summary = apply_key_smoothing_fused(model)
+    assert summary.smoothed == ["model.layers.0"]
+    assert summary.skipped[0][0] == "model.layers.1" and reason in summary.skipped[0][1]
+    assert summary.describe().startswith("1 of 2 decoder layers smoothed; skipped: 1 x ")
+
+
+def test_fused_without_row_folding_only_smooths_qk_norm_layers():
+    model = FusedModel([_random_layer(), _random_layer(qk_norm=True)])
+    state = _state(model.model.layers[0])
+    summary = apply_key_smoothing_fused(model, fold_qkv_rows=False)
+    assert summary.smoothed == ["model.layers.1"]
+    assert "folding into the qkv_proj rows is off" in summary.skipped[0][1]
+    assert all(torch.equal(v, state[k]) for k, v in _state(model.model.layers[0]).items())
+    # the qkv weights of the q/k-norm layer are untouched too: the scale went into the norm gains
+    assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight, _random_layer(qk_norm=True).self_attn
+                       .qkv_proj.weight)
+
+
+def test_fused_bfloat16_weights_and_no_layers():
+    layer = _random_layer(dtype=torch.bfloat16)
+    w0 = layer.self_attn.qkv_proj.weight.clone()
+    s = smooth_fused_layer(layer)
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16 and s.shape == (2, 32)
+    assert not torch.equal(layer.self_attn.qkv_proj.weight, w0)
+    assert apply_key_smoothing_fused(torch.nn.Linear(2, 2)).describe().startswith("no decoder layers")
+
+
+def test_weight_scales_bad_inputs():
+    w = torch.randn(4 * 7, 8)
+    with pytest.raises(ValueError, match="even head_dim"):
+        weight_scales(w, w, torch.ones(8), 4, 4, 7)
+    w = torch.randn(3 * 8, 8)
+    with pytest.raises(ValueError, match="do not divide"):
+        weight_scales(w, w[:16], torch.ones(8), 3, 2, 8)
+    with pytest.raises(ValueError, match="both be given"):
+        weight_scales(w, w, torch.ones(8), 3, 3, 8, q_gain=torch.ones(8))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The patched vLLM config layer, without a GPU: --kv-cache-dtype choices, CacheConfig validation,
-KV-cache specs priced by turboquant_core's format table, and the backend's cache shape.
+KV-cache specs priced by turboquant_core's format table, the backend's cache shape, and the
+load-time key-smoothing hook (0007) on vLLM's own norm and RoPE modules.
 
 Runs only where a vLLM 0.26.0 patched by scripts/patches.py is importable (see
 vllm_patches/README.md for the CPU recipe); skips otherwise, saying why.
@@ -177,3 +178,133 @@ def test_backend_cache_shape(vllm_modules):
     assert TQAttentionBackend.supports_kv_cache_dtype("turboquant_2bit_nc")
     assert not TQAttentionBackend.supports_kv_cache_dtype("fp8")
     assert TQAttentionBackend.supports_sliding_window()
+
+
+# ----------------------------------------------------------------------------------------------
+# 0007: key smoothing folded in by BaseModelLoader.load_model
+# ----------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg, *args):
+        self.lines.append(msg % args)
+
+
+@pytest.fixture
+def loader_modules(vllm_modules):
+    import torch
+
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+        from vllm.model_executor.model_loader import base_loader
+    except ImportError as e:
+        pytest.skip(f"patched vllm's model loader does not import here: {e}")
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with set_current_vllm_config(VllmConfig()):  # vLLM's CustomOps read it when built
+            yield base_loader, RMSNorm, GemmaRMSNorm, get_rope
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _vllm_style_model(rms_norm, gemma_rms_norm, get_rope):
+    """Three decoder layers with vLLM's own norm and RoPE modules and the attribute names of vLLM
+    0.26's Llama / Gemma 3 attention (fused qkv_proj, q_size, kv_size, ...): Llama style (RMSNorm,
+    bias, no q/k norm), Gemma 3 style (GemmaRMSNorm input and q/k norms), and one with GPT-J style
+    (interleaved) RoPE, which must be left alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    hidden, n_q, n_kv, d = 48, 4, 2, 32
+
+    def layer(norm_cls, qk_norm, neox):
+        attn = torch.nn.Module()
+        attn.num_heads, attn.num_kv_heads, attn.head_dim = n_q, n_kv, d
+        attn.q_size, attn.kv_size = n_q * d, n_kv * d
+        attn.qkv_proj = torch.nn.Linear(hidden, (n_q + 2 * n_kv) * d, bias=not qk_norm)
+        attn.rotary_emb = get_rope(d, max_position=64, is_neox_style=neox, dtype=torch.float32)
+        if qk_norm:
+            attn.q_norm, attn.k_norm = norm_cls(d), norm_cls(d)
+        out = torch.nn.Module()
+        out.self_attn, out.input_layernorm = attn, norm_cls(hidden)
+        with torch.no_grad():
+            for name, prm in out.named_parameters():
+                prm.copy_(torch.rand(prm.shape, generator=g) * 2 if "norm" in name else
+                          torch.randn(prm.shape, generator=g) * 0.3)
+        return out
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer(rms_norm, False, True), layer(gemma_rms_norm, True, True),
+                                        layer(rms_norm, False, False)])
+    return model
+
+
+def _logits(layer, hidden):
+    """q.k after vLLM's q/k norms and RoPE (forward_native), per query head."""
+    import torch
+
+    a = layer.self_attn
+    x = layer.input_layernorm.forward_native(hidden)
+    q, k, _ = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+    if hasattr(a, "q_norm"):
+        q = a.q_norm.forward_native(q.unflatten(-1, (a.num_heads, a.head_dim))).flatten(-2)
+        k = a.k_norm.forward_native(k.unflatten(-1, (a.num_kv_heads, a.head_dim))).flatten(-2)
+    q, k = a.rotary_emb.forward_native(torch.arange(hidden.shape[0]), q, k)
+    q, k = q.unflatten(-1, (a.num_heads, a.head_dim)), k.unflatten(-1, (a.num_kv_heads, a.head_dim))
+    k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+    return torch.einsum("thd,shd->hts", q, k)
+
+
+def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
+    import inspect
+    import types
+
+    import torch
+
+    base_loader, rms_norm, gemma_rms_norm, get_rope = loader_modules
+    src = inspect.getsource(base_loader.BaseModelLoader.load_model)
+    assert 'startswith("turboquant_")' in src
+    assert src.index("tq_key_smoothing(model, vllm_config)") < src.index("process_weights_after_loading(")
+
+    log = _Recorder()
+    monkeypatch.setattr(base_loader, "logger", log)
+    no_lora = types.SimpleNamespace(lora_config=None)
+    model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
+    hidden = torch.randn(12, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before_state = {k: v.clone() for k, v in model.state_dict().items()}
+        before = [_logits(layer, hidden) for layer in model.layers]
+
+        monkeypatch.setenv("TQ_KEY_SMOOTHING", "0")
+        base_loader.tq_key_smoothing(model, no_lora)
+        assert all(torch.equal(v, before_state[k]) for k, v in model.state_dict().items())
+        assert log.lines == ["TurboQuant key smoothing: off (TQ_KEY_SMOOTHING=0)"]
+
+        monkeypatch.setenv("TQ_KEY_SMOOTHING", "yes")
+        with pytest.raises(ValueError, match="TQ_KEY_SMOOTHING must be 0 or 1"):
+            base_loader.tq_key_smoothing(model, no_lora)
+
+        monkeypatch.delenv("TQ_KEY_SMOOTHING")  # default: on
+        base_loader.tq_key_smoothing(model, no_lora)
+        line = log.lines[-1]
+        assert line.startswith("TurboQuant key smoothing: 2 of 3 decoder layers smoothed; skipped: 1 x RoPE is "
+                               "not rotate-half"), line
+        assert "(first layers.2)" in line
+        for layer, ref in zip(model.layers, before):
+            after = _logits(layer, hidden)
+            torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        state = model.state_dict()
+        changed = {k for k, v in state.items() if not torch.equal(v, before_state[k])}
+        assert changed == {"layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.qkv_proj.bias",
+                           "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"}
+
+    # With LoRA, scales go only into q/k norm gains (adapters on qkv_proj would not see scaled rows).
+    model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
+    base_loader.tq_key_smoothing(model, types.SimpleNamespace(lora_config=object()))
+    assert log.lines[-1].startswith("TurboQuant key smoothing: 1 of 3 decoder layers smoothed")

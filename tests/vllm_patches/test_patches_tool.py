@@ -344,8 +344,12 @@ def test_real_series_on_pristine_sources(vllm_wheel, tmp_path):
     assert 'TURBOQUANT = "vllm.v1.attention.backends.tq_attn.TQAttentionBackend"' in registry
     arg_utils = (site / "vllm" / "engine" / "arg_utils.py").read_text()
     assert "flash_attn_version = 2" not in arg_utils
-    for rel in ("vllm/v1/attention/backends/tq_attn.py", "vllm/config/cache.py", "vllm/engine/arg_utils.py",
-                "vllm/v1/kv_cache_interface.py", "vllm/model_executor/layers/attention/attention.py"):
+    # Key smoothing is folded in at load time, before the weights are processed into kernel format.
+    base_loader = (site / "vllm" / "model_executor" / "model_loader" / "base_loader.py").read_text()
+    assert "def tq_key_smoothing(" in base_loader and "apply_key_smoothing_fused" in base_loader
+    assert base_loader.index("tq_key_smoothing(model, vllm_config)") < base_loader.index(
+        "process_weights_after_loading(model, model_config, target_device)")
+    for rel in sorted({fp.path for p in series for fp in p.files if fp.new_path and fp.path.endswith(".py")}):
         compile((site / rel).read_text(), rel, "exec")
 
     rc, msg = run_patches("status", "--target", str(site), "--series", str(REAL_SERIES))
