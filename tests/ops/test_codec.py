@@ -151,3 +151,25 @@ def test_shape_errors(device):
         encode(torch.zeros(2, 100, device=device), 3, SEED)
     with pytest.raises(ValueError, match="MSE bits must be one of"):
         encode(torch.zeros(2, 128, device=device), 5, SEED)
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (32, None), (128, 8)])
+def test_launch_configuration_does_not_change_the_encoding(device, block_rows, num_warps):
+    # Rows are encoded independently: other tile sizes give the same indices (the fp16 scale may move by
+    # one rounding step, the norm being summed in another order) and decode to the same values.
+    x = _rows(70, 128, seed=3, device=device)
+    packed, scale = encode(x, 3, SEED)
+    p2, s2 = encode(x, 3, SEED, block_rows=block_rows, num_warps=num_warps)
+    assert torch.equal(unpack_segments(p2, 128, 3), unpack_segments(packed, 128, 3))
+    torch.testing.assert_close(s2.float(), scale.float(), rtol=2**-10, atol=0)
+    out = decode(packed, scale, 128, 3, SEED)
+    out2 = decode(packed, scale, 128, 3, SEED, block_rows=block_rows, num_warps=num_warps)
+    torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_launch_configuration(device):
+    x = torch.zeros(2, 128, device=device)
+    with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
+        encode(x, 3, SEED, block_rows=24)
+    with pytest.raises(ValueError, match="num_warps must be one of 1, 2, 4, 8, 16, got 3"):
+        encode(x, 3, SEED, num_warps=3)

@@ -287,13 +287,30 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
         assert log.lines == ["TurboQuant key smoothing: off (TQ_KEY_SMOOTHING=0)"]
 
         monkeypatch.setenv("TQ_KEY_SMOOTHING", "yes")
-        with pytest.raises(ValueError, match="TQ_KEY_SMOOTHING must be 0 or 1"):
+        with pytest.raises(ValueError, match="TQ_KEY_SMOOTHING must be auto, 1 or 0"):
             base_loader.tq_key_smoothing(model, no_lora)
 
-        monkeypatch.delenv("TQ_KEY_SMOOTHING")  # default: on
+        # Default (auto): only the layer with q/k-norm gains; the Llama-style layer 0 is left alone.
+        monkeypatch.delenv("TQ_KEY_SMOOTHING")
         base_loader.tq_key_smoothing(model, no_lora)
         line = log.lines[-1]
-        assert line.startswith("TurboQuant key smoothing: 2 of 3 decoder layers smoothed; skipped: 1 x RoPE is "
+        assert line.startswith("TurboQuant key smoothing (auto): 1 of 3 decoder layers smoothed"), line
+        assert "no q/k norms, and folding into the qkv_proj rows is off (first layers.0)" in line
+        state = model.state_dict()
+        changed = {k for k, v in state.items() if not torch.equal(v, before_state[k])}
+        assert changed == {"layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"}
+        for layer, ref in zip(model.layers, before):
+            torch.testing.assert_close(_logits(layer, hidden), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+    # TQ_KEY_SMOOTHING=1: the qkv_proj rows of layers without q/k norms too.
+    model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
+    with torch.no_grad():
+        before_state = {k: v.clone() for k, v in model.state_dict().items()}
+        before = [_logits(layer, hidden) for layer in model.layers]
+        monkeypatch.setenv("TQ_KEY_SMOOTHING", "1")
+        base_loader.tq_key_smoothing(model, no_lora)
+        line = log.lines[-1]
+        assert line.startswith("TurboQuant key smoothing (1): 2 of 3 decoder layers smoothed; skipped: 1 x RoPE is "
                                "not rotate-half"), line
         assert "(first layers.2)" in line
         for layer, ref in zip(model.layers, before):
@@ -304,7 +321,8 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
         assert changed == {"layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.qkv_proj.bias",
                            "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"}
 
-    # With LoRA, scales go only into q/k norm gains (adapters on qkv_proj would not see scaled rows).
+    # With LoRA, even TQ_KEY_SMOOTHING=1 puts scales only into q/k norm gains (adapters on qkv_proj would not
+    # see scaled rows).
     model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
     base_loader.tq_key_smoothing(model, types.SimpleNamespace(lora_config=object()))
-    assert log.lines[-1].startswith("TurboQuant key smoothing: 1 of 3 decoder layers smoothed")
+    assert log.lines[-1].startswith("TurboQuant key smoothing (1): 1 of 3 decoder layers smoothed")

@@ -27,14 +27,17 @@ One computation of s (``weight_scales``), two front-ends:
   ``q_size``, ``kv_size``, ``head_dim``, ``num_heads``, ``num_kv_heads``, ``rotary_emb`` and
   optional ``q_norm`` / ``k_norm`` (``RMSNorm``: x * w, ``GemmaRMSNorm``: x * (1 + w)). The
   patched vLLM (vllm_patches/v0.26.0/0007-tq-key-smoothing.patch) calls it once, when the weights
-  are loaded, for every ``turboquant_*`` KV-cache dtype (``TQ_KEY_SMOOTHING=0`` turns it off).
+  are loaded, for every ``turboquant_*`` KV-cache dtype: by default (``TQ_KEY_SMOOTHING=auto``) with
+  ``fold_qkv_rows=False``, i.e. only layers with q/k-norm gains; ``1`` folds into the qkv rows too.
   Layers it cannot smooth exactly are left untouched and reported: non-float (quantized) qkv
   weights, RoPE other than rotate-half over the whole head, odd head_dim, unknown norm types. With
   tensor parallelism each rank pools the statistics of its own heads, so s can differ between
   ranks (each rank's logits stay exact); with one rank s equals the Hugging Face front-end's.
 
 Measured on the CPU (benchmarks/results/eval-ppl-cpu/key-research): Gemma 3 270M, 4-bit keys and
-values: +11.5 % -> +2.5 % perplexity; neutral on SmolLM2-135M.
+values: +11.5 % -> +2.5 % perplexity; neutral on SmolLM2-135M. In vLLM on an H100
+(eval/results/*/2026-11-23-h100*): Gemma 3 turboquant_k3v4_nc +19.9 % -> +2.1 %; SmolLM2 (no q/k norms)
+slightly worse with it (KL 0.0157 vs 0.0150), hence the vLLM default of q/k-norm layers only.
 """
 
 from __future__ import annotations
@@ -304,7 +307,7 @@ def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows
         _fold_into_gain(q_norm, 1.0 / s[0], q_one_plus)
         return s
     if not fold_qkv_rows:
-        raise KeySmoothingUnsupported("no q/k norms, and folding into the qkv_proj rows is off (LoRA)")
+        raise KeySmoothingUnsupported("no q/k norms, and folding into the qkv_proj rows is off")
     s = weight_scales(w_q, w_k, in_gain, n_q, n_kv, d, power=power)
     k_rows, q_rows = _row_factors(s, n_q)
     _fold_into_rows(w_k, None if bias is None else bias[q_size:q_size + kv_size], k_rows)

@@ -23,6 +23,19 @@ def _block_rows(dim_pad: int) -> int:
     return max(16, min(64, 8192 // dim_pad))
 
 
+def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None) -> dict:
+    """Rows per program and warps: the defaults, or a caller's choice (``benchmarks/sweep_codec_launch.py``)."""
+    bn = block_rows or _block_rows(dim_pad)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_rows must be a power of two >= 16, got {bn}")
+    cfg = {"BN": bn}
+    if num_warps is not None:
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+        cfg["num_warps"] = num_warps
+    return cfg
+
+
 def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.shape[-1] != dim:
         raise ValueError(f"expected last dim {dim}, got {x.shape[-1]}")
@@ -30,20 +43,22 @@ def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True):
-    """Fused rotate + quantize + pack. x [..., d] (fp16/bf16/fp32) -> (packed [..., B] uint8, scale [...] fp16)."""
+def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True, *,
+           block_rows: int | None = None, num_warps: int | None = None):
+    """Fused rotate + quantize + pack. x [..., d] (fp16/bf16/fp32) -> (packed [..., B] uint8, scale [...] fp16).
+    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed)."""
     dim = x.shape[-1]
     t = codec_tables(dim, bits, seed, str(x.device))
     x2 = _flat(x, dim)
     n = x2.shape[0]
     out = torch.empty(n, t.index_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
-    bn = _block_rows(t.dim_pad)
+    cfg = _launch(t.dim_pad, block_rows, num_warps)
     c0, b0, c1, b1 = t.segment_tables()
     if n:
-        tq_mse_encode_kernel[(triton.cdiv(n, bn),)](
+        tq_mse_encode_kernel[(triton.cdiv(n, cfg["BN"]),)](
             x2, x2.stride(0), t.rot_hi, t.rot_lo, c0, b0, c1, b1, out, out.stride(0), scale,
-            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, BN=bn,
+            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, **cfg,
             **t.kernel_constexprs(),
         )
     lead = x.shape[:-1]
@@ -51,7 +66,8 @@ def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, seed: int,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           dtype: torch.dtype = torch.float32, *, block_rows: int | None = None,
+           num_warps: int | None = None) -> torch.Tensor:
     """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``."""
     t = codec_tables(dim, bits, seed, str(packed.device))
     if packed.shape[-1] != t.index_bytes:
@@ -60,12 +76,12 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, see
     s2 = scale.reshape(-1).contiguous()
     n = p2.shape[0]
     out = torch.empty(n, dim, dtype=dtype, device=packed.device)
-    bn = _block_rows(t.dim_pad)
+    cfg = _launch(t.dim_pad, block_rows, num_warps)
     c0, _, c1, _ = t.segment_tables()
     if n:
-        tq_mse_decode_kernel[(triton.cdiv(n, bn),)](
+        tq_mse_decode_kernel[(triton.cdiv(n, cfg["BN"]),)](
             p2, p2.stride(0), s2, t.rot_hi, t.rot_lo, c0, c1, out, out.stride(0), n, t.rot_scale,
-            BN=bn, **t.kernel_constexprs(),
+            **cfg, **t.kernel_constexprs(),
         )
     return out.view(*packed.shape[:-1], dim)
 

@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Launch-configuration sweep of the dense encode / decode kernels (rows per program x warps).
+
+The bytes written do not depend on the launch configuration (each row is encoded alone); the
+sweep checks that on every variant and times each one against the device's copy bandwidth, so the
+defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
+
+    python benchmarks/sweep_codec_launch.py --vectors 1000000 --dim 128 --bits 3,4 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import triton.testing
+
+from turboquant_core.bench import BF16_BYTES, SCALE_BYTES, copy_bandwidth_gbs, device_name, index_bytes, parse_bits
+from turboquant_core.ops.codec import decode, encode
+
+
+def _ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]) -> dict:
+    dev = torch.device("cuda")
+    copy = copy_bandwidth_gbs(dev)
+    x = torch.randn(n, dim, generator=torch.Generator(device=dev).manual_seed(0), device=dev).to(torch.bfloat16)
+    out = []
+    for b in bits:
+        ref_packed, ref_scale = encode(x, b, 0)
+        ref_dec = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16)
+        moved = n * dim * BF16_BYTES + n * (index_bytes(dim, b) + SCALE_BYTES)
+        for bn, nw in itertools.product(rows, warps):
+            row = {"bits": b, "dim": dim, "vectors": n, "block_rows": bn, "num_warps": nw}
+            try:
+                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw)
+                d = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16, block_rows=bn, num_warps=nw)
+                row["same_bytes"] = bool(torch.equal(p, ref_packed) and torch.equal(s, ref_scale))
+                row["same_decode"] = bool(torch.equal(d, ref_dec))
+                launch = {"block_rows": bn, "num_warps": nw}
+                enc = _ms(lambda b=b, launch=launch: encode(x, b, 0, **launch))
+                dec = _ms(lambda b=b, p=ref_packed, s=ref_scale, launch=launch: decode(p, s, dim, b, 0, torch.bfloat16,
+                                                                                      **launch))
+                for op, ms in (("encode", enc), ("decode", dec)):
+                    gbs = moved / (ms * 1e-3) / 1e9
+                    row[op] = {"ms": ms, "vectors_per_s": n / (ms * 1e-3), "gbs": gbs,
+                               "fraction_of_copy": gbs / copy["gbs"]}
+            except Exception as e:  # a variant that does not compile (shared memory, registers) is a result too
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join(sys.argv), "copy": copy, "results": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vectors", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--bits", default="3,4")
+    ap.add_argument("--rows", default="16,32,64,128")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_codec_launch.py times the Triton kernels and needs a CUDA device")
+    res = sweep(a.vectors, a.dim, parse_bits(a.bits), [int(v) for v in a.rows.split(",")],
+                [int(v) for v in a.warps.split(",")])
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{'bits':>4} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
+    for r in res["results"]:
+        if "error" in r:
+            print(f"{r['bits']:>4g} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
+            continue
+        print(f"{r['bits']:>4g} {r['block_rows']:>4} {r['num_warps']:>5} {100 * r['encode']['fraction_of_copy']:>9.1f}%"
+              f" {100 * r['decode']['fraction_of_copy']:>9.1f}% {r['same_bytes'] and r['same_decode']}")
+
+
+if __name__ == "__main__":
+    main()
