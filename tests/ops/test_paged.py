@@ -4,6 +4,7 @@
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes stay small.
 """
 
+import itertools
 import math
 import zlib
 
@@ -146,15 +147,18 @@ def test_store_matches_reference(name, d, device):
     v_near = _mse_near_boundary(vs, fmt.value.bits, fmt.value_seed, d)
     rows_near = k_near.any(-1) | v_near.any(-1)  # [n_kept, hkv]
 
-    # Bytes differ only inside rows (token, head) that hold a near-boundary coordinate.
+    # Index bytes differ only inside rows (token, head) that hold a near-boundary coordinate. The fp16
+    # scales are norms summed in another order than the reference's: one rounding step apart at most
+    # (seen on an H100 for a value scale, 1.0645 vs 1.0635), compared below.
     diff = got != want
     allowed = torch.zeros_like(diff)
     kept = slots[keep].long()
     blk, off = kept // BLOCK, kept % BLOCK
-    for _, o, size in lay.sections():
+    for sec, o, size in lay.sections():
         per = size // BLOCK
-        for i in torch.nonzero(rows_near, as_tuple=False).tolist():
-            allowed[blk[i[0]], i[1], o + off[i[0]] * per : o + (off[i[0]] + 1) * per] = True
+        for r, h in itertools.product(range(len(kept)), range(hkv)):
+            if sec.endswith("_scale") or rows_near[r, h]:
+                allowed[blk[r], h, o + off[r] * per : o + (off[r] + 1) * per] = True
     assert not (diff & ~allowed).any(), "bytes differ outside near-boundary rows (or skipped slots were written)"
     assert rows_near.float().mean() < 0.5
 
@@ -168,11 +172,11 @@ def test_store_matches_reference(name, d, device):
     else:
         ik_got, ik_want = unpack_segments(k_got, d, fmt.key.bits), unpack_segments(k_want, d, fmt.key.bits)
         assert torch.equal(ik_got[~k_near], ik_want[~k_near])
-        assert torch.equal(ksc_got[~rows_near], ksc_want[~rows_near])
+        torch.testing.assert_close(ksc_got[~rows_near].float(), ksc_want[~rows_near].float(), rtol=2**-10, atol=0)
         torch.testing.assert_close(ksc_got.float(), ksc_want.float(), rtol=1e-2, atol=0)
     iv_got, iv_want = unpack_segments(v_got, d, fmt.value.bits), unpack_segments(v_want, d, fmt.value.bits)
     assert torch.equal(iv_got[~v_near], iv_want[~v_near])
-    assert torch.equal(vsc_got[~rows_near], vsc_want[~rows_near])
+    torch.testing.assert_close(vsc_got[~rows_near].float(), vsc_want[~rows_near].float(), rtol=2**-10, atol=0)
     torch.testing.assert_close(vsc_got.float(), vsc_want.float(), rtol=1e-2, atol=0)
 
 
