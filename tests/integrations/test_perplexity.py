@@ -96,6 +96,71 @@ def test_all_layers_skipped_is_the_baseline():
     assert score.kl_per_token == pytest.approx(0.0, abs=1e-6) and score.top1_agreement == 1.0
 
 
+def _decode_mode_kl(model, windows, preset, first_row):
+    """Mean KL(baseline || preset) of one decode-faithful forward per window, over rows >= ``first_row``."""
+    from turboquant_core.integrations.transformers_cache import TurboQuantCache
+
+    kl = rows = 0
+    with torch.no_grad():
+        for w in windows:
+            ref = torch.log_softmax(model(w[None], past_key_values=DynamicCache()).logits[0, first_row:-1], -1)
+            got = model(w[None], past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+            got = torch.log_softmax(got[0, first_row:-1], -1)
+            kl += float((ref.exp() * (ref - got)).sum())
+            rows += ref.shape[0]
+    return kl / rows
+
+
+def test_prefill_chunk_scores_positions_after_the_first_chunk():
+    tok = _tokenizer(bos=True)
+    model = _model(len(tok))
+    window, chunk = 40, 16
+    windows = token_windows(tok, TEXT, window=window, max_windows=2)
+    presets = ["turboquant_2bit_nc", "turboquant_k8v4"]
+    baseline, scores = evaluate_perplexity(model, windows, presets, prefill_chunk=chunk, progress=False)
+    # Query positions chunk .. window - 2 predict targets chunk + 1 .. window - 1.
+    assert baseline.tokens == 2 * (window - 1 - chunk) == 46
+    with torch.no_grad():
+        nll = [-torch.log_softmax(model(w[None]).logits[0, chunk:-1], -1).gather(-1, w[chunk + 1 :, None]).mean()
+               for w in windows]
+    assert baseline.ppl == pytest.approx(math.exp(float(sum(nll)) / 2), rel=1e-5)
+    two, k8v4 = scores
+    for score in scores:
+        assert score.tokens == 46 and len(score.window_ppl) == 2
+        assert math.isfinite(score.ppl) and 0 < score.kl_per_token < math.inf
+        # Fresh chunk in full precision: closer to the baseline than decode mode on the same positions.
+        assert score.kl_per_token < _decode_mode_kl(model, windows, score.name, chunk)
+    assert k8v4.kl_per_token < two.kl_per_token
+
+
+def test_prefill_chunk_with_everything_full_precision_is_the_baseline():
+    """Chunks fed through the cache with nothing compressed == one full-precision forward (positions, masks)."""
+    tok = _tokenizer(bos=False)
+    model = _model(len(tok))
+    windows = token_windows(tok, TEXT, window=30, max_windows=2)
+    baseline, (score,) = evaluate_perplexity(model, windows, ["turboquant_2bit_nc"], residual_tokens=30,
+                                             prefill_chunk=7, progress=False)
+    assert baseline.tokens == 2 * (30 - 1 - 7)
+    assert score.ppl == pytest.approx(baseline.ppl, rel=1e-5)
+    assert score.kl_per_token == pytest.approx(0.0, abs=1e-6) and score.top1_agreement == 1.0
+
+
+@pytest.mark.parametrize("chunk", [-1, 39, 40, 100])
+def test_bad_prefill_chunk_names_the_valid_range(chunk):
+    tok = _tokenizer(bos=False)
+    windows = token_windows(tok, TEXT, window=40, max_windows=1)
+    with pytest.raises(ValueError, match=r"0 \(decode mode\) or between 1 and window - 2 = 38.*got " + str(chunk)):
+        evaluate_perplexity(_model(len(tok)), windows, ["turboquant_4bit_nc"], prefill_chunk=chunk, progress=False)
+
+
+def test_largest_prefill_chunk_scores_the_last_token():
+    tok = _tokenizer(bos=False)
+    windows = token_windows(tok, TEXT, window=12, max_windows=3)
+    baseline, (score,) = evaluate_perplexity(_model(len(tok)), windows, ["turboquant_4bit_nc"], prefill_chunk=10,
+                                             progress=False)
+    assert baseline.tokens == score.tokens == 3
+
+
 def _args(*argv):
     return add_eval_ppl_arguments(argparse.ArgumentParser()).parse_args(list(argv))
 
@@ -113,6 +178,7 @@ def test_cli_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["windows"] == 3 and report["window"] == 48 and report["tokens_scored"] == 3 * 47
     assert report["bos_prepended"] is True and report["skip_layers"] == [-1]
+    assert report["prefill_chunk"] == 0 and report["attention_mode"].startswith("decode:")
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     assert report["transformers"] == transformers.__version__ and report["date"] and report["command"]
     assert [p["name"] for p in report["presets"]] == ["turboquant_k3v4_nc", "turboquant_k8v4"]
@@ -120,11 +186,28 @@ def test_cli_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
         assert math.isfinite(p["ppl"]) and p["kl_per_token"] > 0 and len(p["window_ppl"]) == 3
 
 
+def test_cli_prefill_chunk(tiny_model_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "ppl.json"
+    rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets", "turboquant_k3v4_nc",
+                            "--window", "48", "--windows", "2", "--prefill-chunk", "16", "--device", "cpu",
+                            "--json", str(out), "--no-progress"))
+    assert rc == 0
+    assert "chunked prefill" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["prefill_chunk"] == 16 and report["attention_mode"].startswith("chunked prefill:")
+    assert report["tokens_scored"] == 2 * (47 - 16) and report["presets"][0]["tokens"] == 2 * 31
+
+
 def test_cli_bad_input_is_a_clear_error(tiny_model_dir, capsys):
     assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--presets", "turboquant_5bit")) == 2
     assert "valid formats" in capsys.readouterr().err
     assert run_eval_ppl(_args("--model", "no-such-model", "--presets", "turboquant_4bit_nc")) == 2
     assert "smollm2-135m-instruct" in capsys.readouterr().err
+    for chunk in ("-3", "47"):
+        assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--window", "48", "--prefill-chunk", chunk)) == 2
+        assert "between 1 and window - 2 = 46" in capsys.readouterr().err
 
 
 def test_bundled_text_and_presets():

@@ -244,3 +244,78 @@ def test_cuda_kernels_store_the_reference_bytes(preset):
             # Inputs differ by float rounding between devices: allow rare boundary flips.
             assert (a == b).float().mean() > 0.98, name
     torch.testing.assert_close(gpu_logits, cpu_logits, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("residual_tokens", [0, 3])
+@pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "turboquant_k8v4"])
+def test_fresh_full_precision_returns_decoded_history_then_inputs(preset, residual_tokens):
+    """Prefill-faithful update: history as a decode-faithful cache returns it, then the new tokens bit-exact."""
+    torch.manual_seed(0)
+    f = get_format(preset)
+    decode = TurboQuantLayer(f, HEAD_DIM, residual_tokens)
+    fresh = TurboQuantLayer(f, HEAD_DIM, residual_tokens, fresh_full_precision=True)
+    assert "fresh_full_precision=True" in repr(fresh) and "fresh" not in repr(decode)
+    history_k = history_v = None  # what the decode-faithful layer returned on the previous call
+    for n in (5, 4, 1, 2):
+        k, v = torch.randn(1, 2, n, HEAD_DIM) * 4, torch.randn(1, 2, n, HEAD_DIM)
+        k_out, v_out = fresh.update(k, v)
+        if history_k is None:
+            assert torch.equal(k_out, k) and torch.equal(v_out, v)  # first call: exactly the inputs
+        else:
+            assert k_out.shape[2] == history_k.shape[2] + n
+            assert torch.equal(k_out[:, :, -n:], k) and torch.equal(v_out[:, :, -n:], v)
+            assert torch.equal(k_out[:, :, :-n], history_k) and torch.equal(v_out[:, :, :-n], history_v)
+        history_k, history_v = decode.update(k, v)
+        if not residual_tokens:  # (with a full-precision tail, the newest tokens are returned as given)
+            assert not torch.allclose(history_k[:, :, -n:], k, atol=1e-3)
+        # The new tokens were stored just as without the flag.
+        for name in ("key_codes", "value_codes", "recent_keys"):
+            a, b = getattr(fresh.store, name), getattr(decode.store, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    assert fresh.store.recent_tokens == residual_tokens and fresh.get_seq_length() == 12
+
+
+def test_fresh_full_precision_sliding_window_keeps_window_minus_one():
+    torch.manual_seed(0)
+    f = get_format("turboquant_4bit_nc")
+    layer = TurboQuantSlidingWindowLayer(f, SLIDING_WINDOW, HEAD_DIM, fresh_full_precision=True)
+    seen = 0
+    for n in (4, 5, 1, 8, 2):
+        before_k, before_v = layer.store.states(torch.float32) if layer.stored_tokens() else (None, None)
+        k, v = torch.randn(1, 2, n, HEAD_DIM), torch.randn(1, 2, n, HEAD_DIM)
+        k_out, v_out = layer.update(k, v)
+        stored_before = min(seen, SLIDING_WINDOW - 1)
+        assert k_out.shape[2] == v_out.shape[2] == stored_before + n
+        assert torch.equal(k_out[:, :, stored_before:], k) and torch.equal(v_out[:, :, stored_before:], v)
+        if before_k is not None:
+            assert torch.equal(k_out[:, :, :stored_before], before_k)
+            assert torch.equal(v_out[:, :, :stored_before], before_v)
+        seen += n
+        assert layer.stored_tokens() == min(seen, SLIDING_WINDOW - 1) and layer.get_seq_length() == seen
+
+
+def _chunked_logits(model, ids, cache, chunk):
+    with torch.no_grad():
+        return torch.cat([model(ids[:, s : s + chunk], past_key_values=cache).logits
+                          for s in range(0, ids.shape[1], chunk)], dim=1)
+
+
+def test_chunked_prefill_with_fresh_full_precision(model):
+    """Chunks attend to themselves in full precision: the first chunk is exact, later ones beat decode mode."""
+    ids, chunk, preset = _prompt(20, seed=6), 7, "turboquant_2bit_nc"
+    with torch.no_grad():
+        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        decode = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+    cache = TurboQuantCache(model.config, preset=preset, fresh_full_precision=True)
+    assert "fresh_full_precision=True" in repr(cache)
+    got = _chunked_logits(model, ids, cache, chunk)
+    torch.testing.assert_close(got[:, :chunk], ref[:, :chunk], rtol=1e-5, atol=1e-5)
+    err_fresh = float((got[:, chunk:] - ref[:, chunk:]).norm())
+    err_decode = float((decode[:, chunk:] - ref[:, chunk:]).norm())
+    assert 0 < err_fresh < err_decode
+    assert cache.get_seq_length() == 20
+    for layer, stored in zip(cache.layers, cache.stored_tokens()):
+        assert stored == (SLIDING_WINDOW - 1 if layer.is_sliding else 20)
+    # Everything kept in full precision: chunked prefill through the cache == one full-precision forward.
+    everything = TurboQuantCache(model.config, preset=preset, residual_tokens=20, fresh_full_precision=True)
+    torch.testing.assert_close(_chunked_logits(model, ids, everything, chunk), ref, rtol=1e-4, atol=1e-4)

@@ -129,7 +129,9 @@ def test_greedy_close_to_bf16(bf16, tmp_path, dtype):
     n_agree = sum(_agree(a, b, 4) for a, b in zip(got["tokens"][:3], bf16["tokens"][:3]))
     if dtype != "turboquant_2bit_nc":
         assert n_agree >= 2, (got["texts"], bf16["texts"])
-    if PASSKEY in bf16["texts"][3]:
+    # Passkey retrieval holds from 3 bits up; at 2 bits this 135M model loses it (eval/results NIAH: 0-10 %),
+    # so there the check is only that decoding stays non-degenerate.
+    if PASSKEY in bf16["texts"][3] and dtype != "turboquant_2bit_nc":
         assert PASSKEY in got["texts"][3], got["texts"][3]
     for toks in got["tokens"]:
         assert len(set(toks)) > 2, f"degenerate output {toks}"

@@ -2,12 +2,18 @@
 """``tq eval-ppl``: perplexity of a model with TurboQuant-compressed K/V against a full-precision cache.
 
 The text is cut into non-overlapping windows of ``--window`` tokens (a leading BOS token is added
-when the tokenizer adds one by default). For each window:
+when the tokenizer adds one by default). For each window the baseline is one forward over the whole
+window with a full-precision ``DynamicCache``; each preset runs in one of two attention modes:
 
-- baseline: one forward over the whole window with a full-precision ``DynamicCache``;
-- each preset: the same forward with a ``TurboQuantCache``, so every position attends to the
-  quantized keys and values of itself and all earlier positions (what a TurboQuant attention
-  kernel sees during prefill).
+- decode (``--prefill-chunk 0``, the default): one forward over the window with a
+  ``TurboQuantCache``, so every position attends to the quantized keys and values of itself and all
+  earlier positions (what a decode step sees: the strict bound). All positions are scored.
+- chunked prefill (``--prefill-chunk N``): the window is fed in consecutive forwards of N tokens to
+  one ``TurboQuantCache(fresh_full_precision=True)``, so the tokens of a chunk attend to each other
+  in full precision and to earlier chunks through the compressed cache, as in vLLM serving with a
+  TurboQuant KV cache (chunked prefill). Only predictions made at query positions >= N, which have
+  at least the first chunk compressed behind them, are scored (targets N + 1 .. window - 1), for
+  the baseline too; N = 256 matches the GPU runs under ``eval/``.
 
 Reported per preset, over all scored tokens: perplexity, its change vs the baseline (%), the mean
 KL(baseline || preset) of the next-token distributions (nats/token), and top-1 agreement (how often
@@ -162,6 +168,23 @@ class CacheScore:
             self.top1_agreement = self.top1_agree / self.tokens
 
 
+def check_prefill_chunk(prefill_chunk: int, window: int) -> int:
+    """``prefill_chunk`` if valid for windows of ``window`` tokens: 0 (decode) or 1 .. window - 2."""
+    if prefill_chunk != 0 and not 1 <= prefill_chunk <= window - 2:
+        raise ValueError(
+            f"--prefill-chunk must be 0 (decode mode) or between 1 and window - 2 = {window - 2} "
+            f"(chunked prefill needs at least one scored position after the first chunk); got {prefill_chunk}"
+        )
+    return prefill_chunk
+
+
+def attention_mode(prefill_chunk: int) -> str:
+    """How the presets' forwards attend, in words (see module docstring)."""
+    if prefill_chunk == 0:
+        return "decode: every position attends to quantized K/V, its own included"
+    return "chunked prefill: fresh tokens in full precision, earlier chunks compressed"
+
+
 def _kv_bytes(cache) -> int:
     if hasattr(cache, "memory_bytes"):
         return cache.memory_bytes()
@@ -170,13 +193,24 @@ def _kv_bytes(cache) -> int:
 
 @torch.no_grad()
 def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, skip_layers=(), residual_tokens: int = 0,
-                        progress: bool = True) -> tuple[CacheScore, list[CacheScore]]:
-    """Baseline and per-preset scores for ``windows`` [n, window] (see module docstring)."""
+                        prefill_chunk: int = 0, progress: bool = True) -> tuple[CacheScore, list[CacheScore]]:
+    """Baseline and per-preset scores for ``windows`` [n, window] (see module docstring).
+
+    ``prefill_chunk``: 0 scores every position of one decode-faithful forward per window; N > 0 feeds
+    each window to the presets in chunks of N tokens (``fresh_full_precision`` cache) and scores, for
+    every cache, only the predictions made at query positions N .. window - 2 (targets N + 1 ..
+    window - 1). Valid: 0 or 1 .. window - 2.
+    """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
     from .transformers_cache import TurboQuantCache
 
+    window = windows.shape[1]
+    check_prefill_chunk(prefill_chunk, window)
+    # Row q of ``logits[0, :-1]`` is the prediction made at query position q for the token at q + 1.
+    # Decode mode scores all rows; chunked prefill the rows q >= N (compressed context behind them).
+    first_row = prefill_chunk
     device = next(model.parameters()).device
     d_head = None
     baseline = CacheScore("full precision (DynamicCache)")
@@ -187,9 +221,9 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
     bar = tqdm(total=len(windows) * (1 + len(presets)), desc="eval-ppl", unit="fwd", disable=not progress)
     for row in windows:
         ids = row.unsqueeze(0).to(device)
-        targets = ids[0, 1:]
+        targets = ids[0, first_row + 1 :]
         cache = DynamicCache(config=model.config)
-        base_logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+        base_logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, first_row:-1].float()
         base_logp = torch.log_softmax(base_logits, dim=-1)
         del base_logits
         baseline.cache_bytes_per_window = _kv_bytes(cache)
@@ -198,8 +232,16 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
         bar.update(1)
         for score in scores:
             cache = TurboQuantCache(model.config, preset=score.name, skip_layers=skip_layers,
-                                    residual_tokens=residual_tokens)
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1]
+                                    residual_tokens=residual_tokens, fresh_full_precision=prefill_chunk > 0)
+            if prefill_chunk == 0:
+                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1]
+            else:
+                # One forward per chunk through the same cache; the first chunk's rows are not scored.
+                logits = torch.cat([
+                    model(input_ids=ids[:, start : start + prefill_chunk], past_key_values=cache,
+                          use_cache=True).logits[0]
+                    for start in range(0, window, prefill_chunk)
+                ])[first_row:-1]
             score.cache_bytes_per_window = cache.memory_bytes()
             d_head = cache.head_dim
             del cache
@@ -272,6 +314,13 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="comma-separated layer indices kept in full precision, e.g. 0,-1 (default: none)")
     parser.add_argument("--residual-tokens", type=int, default=0,
                         help="most recent tokens per layer kept in full precision (default 0)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                        help="0 (default): decode mode, one forward per window in which every position attends to "
+                        "quantized K/V, its own included (the strict bound); all positions scored. N > 0: chunked "
+                        "prefill as in vLLM serving, each window fed in forwards of N tokens that attend to each "
+                        "other in full precision and to earlier chunks compressed; only positions after the first "
+                        "chunk are scored, for the baseline too. 256 matches the vLLM runs under eval/. "
+                        "Valid: 0 or 1 .. window - 2")
     parser.add_argument("--key-smoothing", action="store_true",
                         help="fold weight-derived key smoothing into the model first (data-free, logits unchanged; "
                              "see turboquant_core.integrations.key_smoothing)")
@@ -296,6 +345,7 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
 
     presets = parse_presets(args.presets)
     skip_layers = parse_layer_list(args.skip_layers)
+    prefill_chunk = check_prefill_chunk(args.prefill_chunk, args.window)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     text, text_label = read_text(args.text)
@@ -310,11 +360,14 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
     windows = token_windows(loaded.tokenizer, text, args.window, args.windows or None)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
-          f"text {text_label}: {len(windows)} windows x {args.window} tokens", file=sys.stderr)
+          f"text {text_label}: {len(windows)} windows x {args.window} tokens; {attention_mode(prefill_chunk)}"
+          + (f" (chunks of {prefill_chunk}, scoring targets {prefill_chunk + 1}..{args.window - 1} of each window)"
+             if prefill_chunk else ""), file=sys.stderr)
 
     t1, cpu1 = time.perf_counter(), time.process_time()
     baseline, scores = evaluate_perplexity(loaded.model, windows, presets, skip_layers=skip_layers,
-                                           residual_tokens=args.residual_tokens, progress=not args.no_progress)
+                                           residual_tokens=args.residual_tokens, prefill_chunk=prefill_chunk,
+                                           progress=not args.no_progress)
     eval_s, eval_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
     print(format_table(baseline, scores))
 
@@ -332,6 +385,8 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
             "window": args.window,
             "windows": len(windows),
             "bos_prepended": leading_bos(loaded.tokenizer) is not None,
+            "prefill_chunk": prefill_chunk,
+            "attention_mode": attention_mode(prefill_chunk),
             "tokens_scored": baseline.tokens,
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -17,9 +17,20 @@ Per layer, what is stored is the format's bytes and nothing else: packed K and V
 (``uint8 [batch, kv_heads, tokens, index_bytes]``) and one fp16 scale per vector
 (``[batch, kv_heads, tokens]``; fp8 keys have none). ``update()`` appends the new tokens and returns
 the dequantized history, decoded on demand, so attention sees exactly what a TurboQuant kernel
-would reconstruct, including for the tokens of the current step. Optional full-precision parts:
-``residual_tokens`` (the most recent N tokens, as transformers' ``QuantizedCache`` does) and
-``skip_layers`` (whole layers, e.g. the first and last).
+would reconstruct, by default including for the tokens of the current step (see the two attention
+modes below). Optional full-precision parts: ``residual_tokens`` (the most recent N tokens, as
+transformers' ``QuantizedCache`` does) and ``skip_layers`` (whole layers, e.g. the first and last).
+
+Two attention modes:
+
+- default (decode-faithful): as above, the tokens of the current forward are returned as their
+  dequantized bytes too, so every position attends to the quantized K/V of itself and all earlier
+  positions (what a decode step sees: the strict bound);
+- ``fresh_full_precision=True`` (prefill-faithful): ``update()`` returns the dequantized history
+  stored *before* the call followed by the new tokens themselves in full precision, then compresses
+  the new tokens. Fed one chunk per forward, this is what vLLM's chunked prefill does with a
+  TurboQuant KV cache: the tokens of the current chunk attend to each other in full precision and
+  to earlier chunks through the compressed cache.
 
 On CUDA the fused Triton codec (``turboquant_core.ops.codec.encode/decode``) is used; elsewhere the
 plain-torch references, which produce the same bytes.
@@ -246,8 +257,10 @@ class _TurboQuantStorage:
     is_compileable = False
     store: CompressedKVStore | None
 
-    def _init_storage(self, kv_format: KVFormat, head_dim: int | None, residual_tokens: int) -> None:
+    def _init_storage(self, kv_format: KVFormat, head_dim: int | None, residual_tokens: int,
+                      fresh_full_precision: bool) -> None:
         self.kv_format, self.head_dim, self.residual_tokens = kv_format, head_dim, residual_tokens
+        self.fresh_full_precision = bool(fresh_full_precision)
         self.store = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -262,10 +275,21 @@ class _TurboQuantStorage:
             self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
 
     def _append_and_read(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Store the new tokens; return the K/V that attention sees: [B, H, stored before + new, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if not self.fresh_full_precision:
+            self.store.append(key_states, value_states)
+            return self.store.states(self.dtype)
+        # Prefill-faithful: the history as stored before this call (compressed part + full-precision
+        # tail), then the new tokens as given; only then are the new tokens compressed.
+        fresh_keys, fresh_values = key_states.to(self.dtype), value_states.to(self.dtype)
+        if self.store.tokens:
+            past_keys, past_values = self.store.states(self.dtype)
+            fresh_keys = torch.cat([past_keys, fresh_keys], dim=2)
+            fresh_values = torch.cat([past_values, fresh_values], dim=2)
         self.store.append(key_states, value_states)
-        return self.store.states(self.dtype)
+        return fresh_keys, fresh_values
 
     def stored_tokens(self) -> int:
         return 0 if self.store is None else self.store.tokens
@@ -303,15 +327,17 @@ class _TurboQuantStorage:
             self.store.apply(lambda t: t[indices, ...])
 
     def __repr__(self):
-        return f"{self.__class__.__name__}({self.kv_format.name}, tokens={self.stored_tokens()})"
+        fresh = ", fresh_full_precision=True" if self.fresh_full_precision else ""
+        return f"{self.__class__.__name__}({self.kv_format.name}, tokens={self.stored_tokens()}{fresh})"
 
 
 class TurboQuantLayer(_TurboQuantStorage, DynamicLayer):
     """Full-attention layer with TurboQuant-compressed storage."""
 
-    def __init__(self, kv_format: KVFormat, head_dim: int | None = None, residual_tokens: int = 0, **kwargs):
+    def __init__(self, kv_format: KVFormat, head_dim: int | None = None, residual_tokens: int = 0, *,
+                 fresh_full_precision: bool = False, **kwargs):
         DynamicLayer.__init__(self)
-        self._init_storage(kv_format, head_dim, residual_tokens)
+        self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return self._append_and_read(key_states, value_states)
@@ -328,9 +354,9 @@ class TurboQuantSlidingWindowLayer(_TurboQuantStorage, DynamicSlidingWindowLayer
     """Sliding-window (or chunked) layer: compressed storage of at most ``sliding_window - 1`` past tokens."""
 
     def __init__(self, kv_format: KVFormat, sliding_window: int, head_dim: int | None = None,
-                 residual_tokens: int = 0, **kwargs):
+                 residual_tokens: int = 0, *, fresh_full_precision: bool = False, **kwargs):
         DynamicSlidingWindowLayer.__init__(self, sliding_window=sliding_window)
-        self._init_storage(kv_format, head_dim, residual_tokens)
+        self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.cumulative_length += key_states.shape[-2]
@@ -375,14 +401,22 @@ class TurboQuantCache(Cache):
         preset: a name from ``turboquant_core.formats.format_names()``.
         skip_layers: layer indices kept in full precision (negative indices count from the end).
         residual_tokens: the most recent N tokens of each layer stay in full precision (0: none).
+        fresh_full_precision: False (default, decode-faithful): ``update()`` returns every token, the
+            current ones included, as decoded from its compressed bytes. True (prefill-faithful):
+            the tokens of the current call are returned as given (full precision) after the
+            dequantized earlier history, and compressed only for later calls. This is vLLM's chunked
+            prefill with a TurboQuant KV cache: a chunk attends to itself in full precision and to
+            earlier chunks through the compressed cache.
     """
 
     def __init__(self, config=None, preset: str = DEFAULT_PRESET, *, skip_layers: Iterable[int] = (),
-                 residual_tokens: int = 0, offloading: bool = False, offload_only_non_sliding: bool = True):
+                 residual_tokens: int = 0, fresh_full_precision: bool = False, offloading: bool = False,
+                 offload_only_non_sliding: bool = True):
         self.kv_format = get_format(preset)
         if int(residual_tokens) < 0:
             raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
         self.residual_tokens = int(residual_tokens)
+        self.fresh_full_precision = bool(fresh_full_precision)
         self.head_dim: int | None = None
         skip = [int(i) for i in skip_layers]
         layers = []
@@ -414,8 +448,9 @@ class TurboQuantCache(Cache):
             return DynamicLayer()
         if sliding:
             return TurboQuantSlidingWindowLayer(self.kv_format, layer_kwargs["sliding_window"], self.head_dim,
-                                                self.residual_tokens)
-        return TurboQuantLayer(self.kv_format, self.head_dim, self.residual_tokens)
+                                                self.residual_tokens, fresh_full_precision=self.fresh_full_precision)
+        return TurboQuantLayer(self.kv_format, self.head_dim, self.residual_tokens,
+                               fresh_full_precision=self.fresh_full_precision)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._lazy_layers:
@@ -451,7 +486,8 @@ class TurboQuantCache(Cache):
 
     def __repr__(self):
         return (f"TurboQuantCache(preset={self.kv_format.name!r}, layers={len(self.layers)}, "
-                f"skip_layers={sorted(self.skip_layers)}, residual_tokens={self.residual_tokens})")
+                f"skip_layers={sorted(self.skip_layers)}, residual_tokens={self.residual_tokens}, "
+                f"fresh_full_precision={self.fresh_full_precision})")
 
 
 def _normalize_layer_indices(indices: list[int], num_layers: int) -> frozenset[int]:
