@@ -102,6 +102,27 @@ def test_summary_metrics_and_checks(raw):
     assert _check(rep, "gsm8k_strict_within_noise", "turboquant_4bit_nc", "stock")["result"] == "fail"
 
 
+def test_niah_shortfall_p_is_the_fisher_exact_lower_tail():
+    # 4/4 vs 3/4: P(X <= 3 | 7 correct of 8, 4 drawn) = C(7,3) C(1,1) / C(8,4) = 35/70.
+    assert R.niah_shortfall_p({"acc": 1.0, "n": 4}, {"acc": 0.75, "n": 4}) == pytest.approx(0.5)
+    assert R.niah_shortfall_p({"acc": 0.5, "n": 4}, {"acc": 1.0, "n": 4}) == pytest.approx(1.0)
+    # scipy.stats.fisher_exact([[92, 8], [99, 1]], alternative="less") -> p = 0.01745
+    assert R.niah_shortfall_p({"acc": 0.99, "n": 100}, {"acc": 0.92, "n": 100}) == pytest.approx(0.017450, abs=1e-6)
+
+
+def test_niah_shortfall_check_separates_noise_from_loss(tmp_path):
+    raw = tmp_path / "raw"
+    _write(raw, "patched", "auto", niah={1024: [1, 1, 1, 1]})
+    _write(raw, "patched", "turboquant_4bit_nc", niah={1024: [1, 1, 1, 0]})  # one needle missed of 4
+    _write(raw, "patched", "turboquant_k8v4", niah={1024: [1, 1, 1, 1]})
+    rep = R.summarize(MODEL, raw)
+    assert _check(rep, "niah_matches_bf16", "turboquant_4bit_nc")["result"] == "fail"
+    noise = _check(rep, "niah_shortfall_beyond_noise", "turboquant_4bit_nc")
+    assert noise["result"] == "pass" and noise["informational"] and "1024: 0.500" in noise["detail"]
+    assert not [c for c in rep["checks"] if c["check"] == "niah_shortfall_beyond_noise" and
+                c["dtype"] == "turboquant_k8v4"]  # nothing below bf16, nothing to test
+
+
 def test_ours_worse_than_stock_fails(tmp_path):
     raw = tmp_path / "raw"
     _write(raw, "patched", "auto", noise=0.0)
