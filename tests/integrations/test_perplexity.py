@@ -104,7 +104,8 @@ def _decode_mode_kl(model, windows, preset, first_row):
     with torch.no_grad():
         for w in windows:
             ref = torch.log_softmax(model(w[None], past_key_values=DynamicCache()).logits[0, first_row:-1], -1)
-            got = model(w[None], past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+            got = model(w[None], past_key_values=TurboQuantCache(model.config, preset=preset,
+                                                                 fresh_full_precision=False)).logits
             got = torch.log_softmax(got[0, first_row:-1], -1)
             kl += float((ref.exp() * (ref - got)).sum())
             rows += ref.shape[0]

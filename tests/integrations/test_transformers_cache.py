@@ -108,7 +108,9 @@ def test_generate_stores_exact_compressed_bytes(model, preset):
 def _logit_error(model, ids, preset):
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-        got = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+        # Decode mode: every position attends to quantized K/V, its own included (the quantizer's full effect).
+        got = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
+                                                         fresh_full_precision=False)).logits
     return float((got - ref).norm() / ref.norm())
 
 
@@ -129,8 +131,9 @@ def test_incremental_decode_matches_one_forward(model):
     ids = _prompt(16, seed=2)
     preset = "turboquant_k3v4_nc"
     with torch.no_grad():
-        full = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
-        cache = TurboQuantCache(model.config, preset=preset)
+        full = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
+                                                          fresh_full_precision=False)).logits
+        cache = TurboQuantCache(model.config, preset=preset, fresh_full_precision=False)
         step = [model(ids[:, :7], past_key_values=cache).logits]
         for t in range(7, ids.shape[1]):
             step.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
@@ -142,7 +145,7 @@ def test_update_returns_dequantized_storage():
     keys, values = torch.randn(2, 3, 5, HEAD_DIM) * 4, torch.randn(2, 3, 5, HEAD_DIM)
     for preset in ("turboquant_k3v4_nc", "turboquant_k8v4"):
         f = get_format(preset)
-        layer = TurboQuantLayer(f, HEAD_DIM)
+        layer = TurboQuantLayer(f, HEAD_DIM, fresh_full_precision=False)
         k_out, v_out = layer.update(keys, values)
         k_ref = (FP8Quantizer(HEAD_DIM, f.key_seed) if f.key.kind == "fp8"
                  else MSEQuantizer(HEAD_DIM, f.key.bits, True, f.key_seed))
@@ -252,8 +255,9 @@ def test_fresh_full_precision_returns_decoded_history_then_inputs(preset, residu
     """Prefill-faithful update: history as a decode-faithful cache returns it, then the new tokens bit-exact."""
     torch.manual_seed(0)
     f = get_format(preset)
-    decode = TurboQuantLayer(f, HEAD_DIM, residual_tokens)
-    fresh = TurboQuantLayer(f, HEAD_DIM, residual_tokens, fresh_full_precision=True)
+    decode = TurboQuantLayer(f, HEAD_DIM, residual_tokens, fresh_full_precision=False)
+    fresh = TurboQuantLayer(f, HEAD_DIM, residual_tokens)
+    assert fresh.fresh_full_precision  # the default
     assert "fresh_full_precision=True" in repr(fresh) and "fresh" not in repr(decode)
     history_k = history_v = None  # what the decode-faithful layer returned on the previous call
     for n in (5, 4, 1, 2):
@@ -305,7 +309,8 @@ def test_chunked_prefill_with_fresh_full_precision(model):
     ids, chunk, preset = _prompt(20, seed=6), 7, "turboquant_2bit_nc"
     with torch.no_grad():
         ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-        decode = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset)).logits
+        decode = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
+                                                            fresh_full_precision=False)).logits
     cache = TurboQuantCache(model.config, preset=preset, fresh_full_precision=True)
     assert "fresh_full_precision=True" in repr(cache)
     got = _chunked_logits(model, ids, cache, chunk)
@@ -319,3 +324,21 @@ def test_chunked_prefill_with_fresh_full_precision(model):
     # Everything kept in full precision: chunked prefill through the cache == one full-precision forward.
     everything = TurboQuantCache(model.config, preset=preset, residual_tokens=20, fresh_full_precision=True)
     torch.testing.assert_close(_chunked_logits(model, ids, everything, chunk), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_default_prefill_is_full_precision_then_decode_reads_compressed(model):
+    """The default (as vLLM serving and transformers' QuantizedCache): a prompt attends to itself in full
+    precision, so its logits equal DynamicCache's; the next step reads the prompt from the compressed store."""
+    ids, preset = _prompt(18, seed=8), "turboquant_k3v4_nc"
+    cache = TurboQuantCache(model.config, preset=preset)
+    assert cache.fresh_full_precision
+    with torch.no_grad():
+        ref_cache = DynamicCache(config=model.config)
+        ref = model(ids[:, :17], past_key_values=ref_cache).logits
+        got = model(ids[:, :17], past_key_values=cache).logits
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        ref_next = model(ids[:, 17:], past_key_values=ref_cache).logits
+        got_next = model(ids[:, 17:], past_key_values=cache).logits
+    assert float((got_next - ref_next).abs().max()) > 0  # compressed history
+    for layer, stored in zip(cache.layers, cache.stored_tokens()):
+        assert stored == (SLIDING_WINDOW - 1 if layer.is_sliding else 18)

@@ -16,21 +16,20 @@ the cache is a list of layers derived from the model config exactly as ``Dynamic
 Per layer, what is stored is the format's bytes and nothing else: packed K and V codebook indices
 (``uint8 [batch, kv_heads, tokens, index_bytes]``) and one fp16 scale per vector
 (``[batch, kv_heads, tokens]``; fp8 keys have none). ``update()`` appends the new tokens and returns
-the dequantized history, decoded on demand, so attention sees exactly what a TurboQuant kernel
-would reconstruct, by default including for the tokens of the current step (see the two attention
-modes below). Optional full-precision parts: ``residual_tokens`` (the most recent N tokens, as
-transformers' ``QuantizedCache`` does) and ``skip_layers`` (whole layers, e.g. the first and last).
+what attention sees, decoded on demand from the stored bytes. Optional full-precision parts:
+``residual_tokens`` (the most recent N tokens, as transformers' ``QuantizedCache`` does) and
+``skip_layers`` (whole layers, e.g. the first and last).
 
 Two attention modes:
 
-- default (decode-faithful): as above, the tokens of the current forward are returned as their
-  dequantized bytes too, so every position attends to the quantized K/V of itself and all earlier
-  positions (what a decode step sees: the strict bound);
-- ``fresh_full_precision=True`` (prefill-faithful): ``update()`` returns the dequantized history
+- ``fresh_full_precision=True`` (the default, as served): ``update()`` returns the dequantized history
   stored *before* the call followed by the new tokens themselves in full precision, then compresses
-  the new tokens. Fed one chunk per forward, this is what vLLM's chunked prefill does with a
-  TurboQuant KV cache: the tokens of the current chunk attend to each other in full precision and
-  to earlier chunks through the compressed cache.
+  the new tokens. A prompt therefore attends to itself in full precision (what vLLM's prefill does
+  with a TurboQuant KV cache, chunk by chunk, and what transformers' ``QuantizedCache`` does), and
+  every later step reads the earlier tokens through the compressed cache.
+- ``fresh_full_precision=False`` (decode-faithful, the strict bound): the tokens of the current
+  forward are returned as their dequantized bytes too, so every position attends to the quantized
+  K/V of itself and all earlier positions (``tq eval-ppl``'s default decode mode).
 
 On CUDA the fused Triton codec (``turboquant_core.ops.codec.encode/decode``) is used; elsewhere the
 plain-torch references, which produce the same bytes.
@@ -335,7 +334,7 @@ class TurboQuantLayer(_TurboQuantStorage, DynamicLayer):
     """Full-attention layer with TurboQuant-compressed storage."""
 
     def __init__(self, kv_format: KVFormat, head_dim: int | None = None, residual_tokens: int = 0, *,
-                 fresh_full_precision: bool = False, **kwargs):
+                 fresh_full_precision: bool = True, **kwargs):
         DynamicLayer.__init__(self)
         self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision)
 
@@ -354,7 +353,7 @@ class TurboQuantSlidingWindowLayer(_TurboQuantStorage, DynamicSlidingWindowLayer
     """Sliding-window (or chunked) layer: compressed storage of at most ``sliding_window - 1`` past tokens."""
 
     def __init__(self, kv_format: KVFormat, sliding_window: int, head_dim: int | None = None,
-                 residual_tokens: int = 0, *, fresh_full_precision: bool = False, **kwargs):
+                 residual_tokens: int = 0, *, fresh_full_precision: bool = True, **kwargs):
         DynamicSlidingWindowLayer.__init__(self, sliding_window=sliding_window)
         self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision)
 
@@ -401,16 +400,15 @@ class TurboQuantCache(Cache):
         preset: a name from ``turboquant_core.formats.format_names()``.
         skip_layers: layer indices kept in full precision (negative indices count from the end).
         residual_tokens: the most recent N tokens of each layer stay in full precision (0: none).
-        fresh_full_precision: False (default, decode-faithful): ``update()`` returns every token, the
-            current ones included, as decoded from its compressed bytes. True (prefill-faithful):
-            the tokens of the current call are returned as given (full precision) after the
-            dequantized earlier history, and compressed only for later calls. This is vLLM's chunked
-            prefill with a TurboQuant KV cache: a chunk attends to itself in full precision and to
-            earlier chunks through the compressed cache.
+        fresh_full_precision: True (default, as served): the tokens of the current call are returned
+            as given (full precision) after the dequantized earlier history, and compressed only for
+            later calls; a prompt attends to itself in full precision, as in vLLM's (chunked) prefill
+            with a TurboQuant KV cache. False (decode-faithful): ``update()`` returns every token, the
+            current ones included, as decoded from its compressed bytes.
     """
 
     def __init__(self, config=None, preset: str = DEFAULT_PRESET, *, skip_layers: Iterable[int] = (),
-                 residual_tokens: int = 0, fresh_full_precision: bool = False, offloading: bool = False,
+                 residual_tokens: int = 0, fresh_full_precision: bool = True, offloading: bool = False,
                  offload_only_non_sliding: bool = True):
         self.kv_format = get_format(preset)
         if int(residual_tokens) < 0:
