@@ -90,6 +90,22 @@ def test_odd_row_counts(device, n, dim, bits):
     check_decode(ref_packed, ref_scale, dim, bits)
 
 
+@pytest.mark.parametrize("dim,bits", [(64, 3), (96, 3.5), (128, 4), (256, 2.5), (512, 3)])
+def test_bf16_decode_single_product_stays_within_bf16_rounding(device, dim, bits):
+    # bf16 outputs take one fp16 product for the inverse rotation (head dims <= 256): its error must stay
+    # within bf16's own rounding of the fp32-path result (one ulp: Triton's interpreter truncates) plus
+    # a small absolute term relative to the coordinates' RMS.
+    x = _rows(64, dim, seed=5, device=device)
+    packed, scale = encode(x, bits, SEED)
+    f32 = decode(packed, scale, dim, bits, SEED, torch.float32)
+    bf = decode(packed, scale, dim, bits, SEED, torch.bfloat16).float()
+    coord_rms = f32.norm(dim=-1, keepdim=True) / math.sqrt(dim)
+    assert torch.all((bf - f32).abs() <= 2**-7 * f32.abs() + 2**-9 * coord_rms)
+    # fp16 outputs keep the hi/lo products: the fp32 result rounded to fp16.
+    f16 = decode(packed, scale, dim, bits, SEED, torch.float16)
+    torch.testing.assert_close(f16, f32.to(torch.float16), rtol=2**-10, atol=2**-14)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dim,bits", [(64, 4), (112, 3.5), (128, 2), (256, 2.5)])
 def test_input_and_output_dtypes(device, dtype, dim, bits):

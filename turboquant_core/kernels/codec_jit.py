@@ -203,22 +203,44 @@ def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD:
 
 
 @triton.jit
+def _unrotate_rows_hi(c, ROT_HI, row0, P: tl.constexpr, D_PAD: tl.constexpr):
+    """c [BN, P] codebook values (fp32) -> c @ rows[row0:row0+P] with both operands rounded to fp16 once:
+    one product instead of the hi/lo pairs. Error ~2^-11 / sqrt(3) of the coordinates' RMS, well below the
+    rounding of a bf16 output; only for D_PAD <= 256."""
+    p = tl.arange(0, P)
+    i = tl.arange(0, D_PAD)
+    rh = tl.load(ROT_HI + (row0 + p)[:, None] * D_PAD + i[None, :])
+    return tl.dot(c.to(tl.float16), rh)
+
+
+@triton.jit
 def tq_mse_decode_kernel(
     IN, stride_in, SCALE, ROT_HI, ROT_LO, CENT0, CENT1, OUT, stride_out,
     N, rot_scale,
     D: tl.constexpr, D_PAD: tl.constexpr,
     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-    EXACT_ROT: tl.constexpr, BN: tl.constexpr,
+    EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr,
 ):
-    """Packed indices [N, bytes] + fp16 scale [N] -> vectors [N, D] in OUT's dtype."""
+    """Packed indices [N, bytes] + fp16 scale [N] -> vectors [N, D] in OUT's dtype.
+
+    ``HI_ONLY`` (bf16 outputs, D_PAD <= 256): the inverse rotation runs as one fp16 product, whose
+    error stays well below the output's own rounding; other outputs keep the hi/lo products."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     in_off = rows.to(tl.int64) * stride_in
     scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32) * rot_scale
 
-    x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
-                         EXACT_ROT, BN) * scale[:, None]
+    if HI_ONLY:
+        idx0 = _load_unpack(IN, in_off, rmask, 0, BN, G0, GP0, B0)
+        x = _unrotate_rows_hi(tl.load(CENT0 + idx0), ROT_HI, 0, 8 * GP0, D_PAD)
+        if G1 > 0:
+            idx1 = _load_unpack(IN, in_off, rmask, B0 * G0, BN, G1, GP1, B1)
+            x += _unrotate_rows_hi(tl.load(CENT1 + idx1), ROT_HI, 8 * GP0, 8 * GP1, D_PAD)
+        x = x * scale[:, None]
+    else:
+        x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
+                             EXACT_ROT, BN) * scale[:, None]
     i = tl.arange(0, D_PAD)
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + i[None, :], x.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & (i < D)[None, :])
