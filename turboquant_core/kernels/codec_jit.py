@@ -66,6 +66,32 @@ def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _exact_f16(x, norm):
+    """x [BN, D_PAD] fp16 / bf16 as loaded -> (fp16 tile, per-row power of two it was scaled by).
+
+    fp16 passes through. bf16 is scaled by 2^k, k from the row's norm so that the norm lands in
+    [2^14, 2^15): no entry can overflow fp16, and an entry's 8 significant bits convert exactly down to
+    about 2^-31 of the norm (smaller ones round at 2^-39 of the norm, below fp32 resolution)."""
+    if x.dtype == tl.float16:
+        return x, tl.full(norm.shape, 1.0, tl.float32)
+    ebits = (norm.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: norm in [2^(e-127), 2^(e-126))
+    ebits = tl.minimum(tl.maximum(ebits, 14), 254)
+    pow2 = ((268 - ebits) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    return (x.to(tl.float32) * pow2[:, None]).to(tl.float16), pow2
+
+
+@triton.jit
+def _rotate_rows_exact(x16, ROT_HI, row0, P: tl.constexpr, D_PAD: tl.constexpr):
+    """x16 [BN, D_PAD] fp16 holding the input exactly -> x16 @ rows[row0:row0+P]^T, [BN, P] fp32, for
+    Hadamard rows (exactly +-1): both operands are exact, so one product with fp32 accumulation does
+    what the hi/lo pairs do for an fp32 operand. D_PAD <= 256."""
+    p = tl.arange(0, P)
+    i = tl.arange(0, D_PAD)
+    r = tl.load(ROT_HI + (row0 + p)[None, :] * D_PAD + i[:, None])  # [D_PAD, P]: transposed view
+    return tl.dot(x16, r)
+
+
+@triton.jit
 def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr):
     """y [BN, P] fp32 (rotated coords of one segment) -> y @ rows[row0:row0+P], [BN, D_PAD] fp32."""
     i = tl.arange(0, D_PAD)
@@ -94,12 +120,22 @@ def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr
 
 
 @triton.jit
-def _quantize_segment(s, BND, NLEV: tl.constexpr):
-    """Scaled coords -> codebook indices: number of boundaries strictly below s."""
-    idx = tl.zeros(s.shape, dtype=tl.int32)
-    for k in tl.static_range(NLEV - 1):
-        idx += (s > tl.load(BND + k)).to(tl.int32)
-    return idx
+def _quantize_segment(s, BND, CENT, NLEV: tl.constexpr):
+    """Scaled coords -> (codebook index, |centroid| of that index).
+
+    The index is the number of boundaries strictly below s (ties at a boundary, a measure-zero case,
+    may land one index apart on the negative side). The codebooks are exactly symmetric (c[L-1-i] ==
+    -c[i], middle boundary 0; tested), so the search runs on |s| over the L/2 - 1 positive boundaries
+    and yields |c[idx]| on the way: half the compares of a linear search and no gather."""
+    H: tl.constexpr = NLEV // 2
+    a = tl.abs(s)
+    cnt = tl.zeros(s.shape, dtype=tl.int32)
+    cabs = tl.zeros(s.shape, dtype=tl.float32) + tl.load(CENT + H)
+    for m in tl.static_range(H - 1):
+        above = a > tl.load(BND + H + m)
+        cnt = tl.where(above, m + 1, cnt)
+        cabs = tl.where(above, tl.load(CENT + H + m + 1), cabs)
+    return tl.where(s > 0, H + cnt, H - 1 - cnt), cabs
 
 
 @triton.jit
@@ -139,24 +175,37 @@ def _segment_valid(BN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale, sqrt_d,
-                     D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale,
+                     sqrt_d, D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
                      G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
                      NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr):
-    """x [BN, D_PAD] fp32 -> packed indices stored at OUT[out_off + ...]; returns the fp32 scale [BN]
-    (already clamped to the fp16 range). Shared by ``tq_mse_encode_kernel`` and the paged store."""
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    u = x * tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)[:, None]
+    """x [BN, D_PAD] as loaded (fp16 / bf16 / fp32) -> packed indices stored at OUT[out_off + ...];
+    returns the fp32 scale [BN] (already clamped to the fp16 range). Shared by ``tq_mse_encode_kernel``
+    and the paged store.
+
+    16-bit inputs with a Hadamard rotation take one fp16 product per segment on the input as it is
+    (exactly, see ``_exact_f16``) and scale by 1 / |x| afterwards; otherwise the unit vector is rotated
+    with the fp16 hi/lo pairs."""
+    xf = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(xf * xf, axis=1))
+    inv_norm = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
     s_mul = sqrt_d * rot_scale
-    t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
-    idx0 = _quantize_segment(t0 * s_mul, BND0, 1 << B0)
-    c0 = tl.load(CENT0 + idx0)
+    if EXACT_ROT and D_PAD <= 256 and x.dtype != tl.float32:
+        x16, pow2 = _exact_f16(x, norm)
+        row_mul = (inv_norm / pow2 * s_mul)[:, None]
+        t0 = _rotate_rows_exact(x16, ROT_HI, 0, 8 * GP0, D_PAD) * row_mul
+    else:
+        u = xf * inv_norm[:, None]
+        t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT) * s_mul
+    idx0, c0 = _quantize_segment(t0, BND0, CENT0, 1 << B0)
     sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), c0 * c0, 0.0), axis=1)
     _pack_store(idx0, OUT, out_off, row_mask, 0, BN, G0, GP0, B0)
     if G1 > 0:
-        t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
-        idx1 = _quantize_segment(t1 * s_mul, BND1, 1 << B1)
-        c1 = tl.load(CENT1 + idx1)
+        if EXACT_ROT and D_PAD <= 256 and x.dtype != tl.float32:
+            t1 = _rotate_rows_exact(x16, ROT_HI, 8 * GP0, 8 * GP1, D_PAD) * row_mul
+        else:
+            t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT) * s_mul
+        idx1, c1 = _quantize_segment(t1, BND1, CENT1, 1 << B1)
         sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), c1 * c1, 0.0), axis=1)
         _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
     if NORM_CORRECTION:
@@ -180,10 +229,10 @@ def tq_mse_encode_kernel(
     rmask = rows < N
     i = tl.arange(0, D_PAD)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :], mask=rmask[:, None] & (i < D)[None, :],
-                other=0.0).to(tl.float32)
+                other=0.0)
     out_off = rows.to(tl.int64) * stride_out
-    scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale, sqrt_d,
-                             D_PAD, G0, GP0, B0, G1, GP1, B1, NORM_CORRECTION, EXACT_ROT, BN)
+    scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale,
+                             sqrt_d, D_PAD, G0, GP0, B0, G1, GP1, B1, NORM_CORRECTION, EXACT_ROT, BN)
     tl.store(SCALE + rows, scale.to(tl.float16), mask=rmask)
 
 

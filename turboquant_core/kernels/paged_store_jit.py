@@ -92,9 +92,8 @@ def tq_paged_store_kernel(
     tok64 = tok.to(tl.int64)
 
     x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=dmask, other=0.0)
-    x = x.to(tl.float32)
     if K_FP8:
-        _fp8_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, k_rot_scale,
+        _fp8_encode_rows(x.to(tl.float32), ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, k_rot_scale,
                          D_PAD, KG0, KGP0, K_EXACT)
     else:
         k_scale = _mse_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
@@ -103,7 +102,6 @@ def tq_paged_store_kernel(
         tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=ok)
 
     y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
-    y = y.to(tl.float32)
     v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO,
                                VCENT0, VBND0, VCENT1, VBND1, v_rot_scale, sqrt_d,
                                D_PAD, VG0, VGP0, VB0, VG1, VGP1, VB1, V_NC, V_EXACT, BN)
