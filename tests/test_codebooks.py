@@ -72,6 +72,16 @@ def test_exact_dim_codebook_is_symmetric_sorted_with_midpoint_boundaries(bits, d
     assert c[-1] < math.sqrt(dim)
 
 
+@pytest.mark.parametrize("dim", [None, *SUPPORTED_HEAD_DIMS])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_kernel_tables_are_exactly_symmetric(bits, dim):
+    # The encoder searches |s| over the positive boundaries and reads |c| from the upper half: that is
+    # the reference's index only if the float32 tables are mirror images bit for bit, middle boundary 0.
+    c, b = codebook_tensors(bits, dim)
+    assert torch.equal(c, -c.flip(0)) and torch.equal(b, -b.flip(0))
+    assert b[len(b) // 2].item() == 0.0
+
+
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_mse_increases_with_dim_toward_gaussian(bits):
     # Finite-d coordinates have lighter tails than N(0, 1): lower distortion, approaching it from below.

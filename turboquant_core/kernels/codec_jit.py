@@ -77,6 +77,9 @@ def _exact_f16(x, norm):
     ebits = (norm.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: norm in [2^(e-127), 2^(e-126))
     ebits = tl.minimum(tl.maximum(ebits, 14), 254)
     pow2 = ((268 - ebits) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    # A sum of squares that underflowed to 0 (entries below ~1e-23) must not scale tiny entries into
+    # fp16 overflow; such a row encodes as zero either way, as in the reference.
+    pow2 = tl.where(norm > 0, pow2, 1.0)
     return (x.to(tl.float32) * pow2[:, None]).to(tl.float16), pow2
 
 
