@@ -49,7 +49,7 @@ def main() -> None:
             vmap = {key(r): r["correct"] for r in vr if key(r) in rec}
             vllm_cell = f"{sum(vmap.values())}/{len(vmap)}"
             agree_cell = f"{sum(vmap[k] == rec[k] for k in vmap)}/{len(vmap)}"
-        print(f"| {name} | {sum(rec.values())}/{len(rec)} | {p:.3f} | {vllm_cell} | {agree_cell} |")
+        print(f"| {name} | {sum(rec.values())}/{len(rec)} | {p:.2g} | {vllm_cell} | {agree_cell} |")
 
 
 if __name__ == "__main__":
