@@ -193,6 +193,8 @@ def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CEN
     norm = tl.sqrt(tl.sum(xf * xf, axis=1))
     inv_norm = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
     s_mul = sqrt_d * rot_scale
+    # The condition is spelled out at both uses: Triton resolves it statically only as an expression of
+    # constexprs, not through a local name.
     if EXACT_ROT and D_PAD <= 256 and x.dtype != tl.float32:
         x16, pow2 = _exact_f16(x, norm)
         row_mul = (inv_norm / pow2 * s_mul)[:, None]
@@ -240,21 +242,6 @@ def tq_mse_encode_kernel(
 
 
 @triton.jit
-def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD: tl.constexpr,
-                     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
-                     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-                     EXACT_ROT: tl.constexpr, BN: tl.constexpr):
-    """Packed indices at IN[row_off + ...] -> R^T c[idx], [BN, D_PAD] fp32, before the per-row scale.
-    Shared by ``tq_mse_decode_kernel`` and the paged gather-dequant."""
-    idx0 = _load_unpack(IN, row_off, row_mask, 0, BN, G0, GP0, B0)
-    x = _unrotate_rows(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT)
-    if G1 > 0:
-        idx1 = _load_unpack(IN, row_off, row_mask, B0 * G0, BN, G1, GP1, B1)
-        x += _unrotate_rows(tl.load(CENT1 + idx1), ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT)
-    return x
-
-
-@triton.jit
 def _unrotate_rows_hi(c, ROT_HI, row0, P: tl.constexpr, D_PAD: tl.constexpr):
     """c [BN, P] codebook values (fp32) -> c @ rows[row0:row0+P] with both operands rounded to fp16 once:
     one product instead of the hi/lo pairs. Error ~2^-11 / sqrt(3) of the coordinates' RMS, well below the
@@ -263,6 +250,30 @@ def _unrotate_rows_hi(c, ROT_HI, row0, P: tl.constexpr, D_PAD: tl.constexpr):
     i = tl.arange(0, D_PAD)
     rh = tl.load(ROT_HI + (row0 + p)[:, None] * D_PAD + i[None, :])
     return tl.dot(c.to(tl.float16), rh)
+
+
+@triton.jit
+def _unrotate_segment(c, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr,
+                      HI_ONLY: tl.constexpr):
+    if HI_ONLY:
+        return _unrotate_rows_hi(c, ROT_HI, row0, P, D_PAD)
+    return _unrotate_rows(c, ROT_HI, ROT_LO, row0, P, D_PAD, EXACT_ROT)
+
+
+@triton.jit
+def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD: tl.constexpr,
+                     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
+                     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+                     EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr):
+    """Packed indices at IN[row_off + ...] -> R^T c[idx], [BN, D_PAD] fp32, before the per-row scale.
+    Shared by ``tq_mse_decode_kernel`` and the paged gather-dequant. ``HI_ONLY``: the inverse rotation as
+    one fp16 product (``_unrotate_rows_hi``; D_PAD <= 256)."""
+    idx0 = _load_unpack(IN, row_off, row_mask, 0, BN, G0, GP0, B0)
+    x = _unrotate_segment(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)
+    if G1 > 0:
+        idx1 = _load_unpack(IN, row_off, row_mask, B0 * G0, BN, G1, GP1, B1)
+        x += _unrotate_segment(tl.load(CENT1 + idx1), ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT, HI_ONLY)
+    return x
 
 
 @triton.jit
@@ -283,16 +294,8 @@ def tq_mse_decode_kernel(
     in_off = rows.to(tl.int64) * stride_in
     scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32) * rot_scale
 
-    if HI_ONLY:
-        idx0 = _load_unpack(IN, in_off, rmask, 0, BN, G0, GP0, B0)
-        x = _unrotate_rows_hi(tl.load(CENT0 + idx0), ROT_HI, 0, 8 * GP0, D_PAD)
-        if G1 > 0:
-            idx1 = _load_unpack(IN, in_off, rmask, B0 * G0, BN, G1, GP1, B1)
-            x += _unrotate_rows_hi(tl.load(CENT1 + idx1), ROT_HI, 8 * GP0, 8 * GP1, D_PAD)
-        x = x * scale[:, None]
-    else:
-        x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
-                             EXACT_ROT, BN) * scale[:, None]
+    x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
+                         EXACT_ROT, BN, HI_ONLY) * scale[:, None]
     i = tl.arange(0, D_PAD)
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + i[None, :], x.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & (i < D)[None, :])

@@ -441,13 +441,13 @@ def tq_paged_gather_dequant_kernel(
     else:
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
         k = _mse_decode_rows(CACHE, krow, tmask, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD, KG0, KGP0, KB0,
-                             KG1, KGP1, KB1, K_EXACT, BN) * (k_scale * k_rot_scale)[:, None]
+                             KG1, KGP1, KB1, K_EXACT, BN, False) * (k_scale * k_rot_scale)[:, None]
     tl.store(OUT_K + row[:, None] * stride_okt + kvh * stride_okh + i[None, :], k.to(OUT_K.dtype.element_ty),
              mask=omask)
 
     vrow = base + V_IDX_OFF + off * V_ROW
     v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
     v = _mse_decode_rows(CACHE, vrow, tmask, VROT_HI, VROT_LO, VCENT0, VCENT1, D_PAD, VG0, VGP0, VB0,
-                         VG1, VGP1, VB1, V_EXACT, BN) * (v_scale * v_rot_scale)[:, None]
+                         VG1, VGP1, VB1, V_EXACT, BN, False) * (v_scale * v_rot_scale)[:, None]
     tl.store(OUT_V + row[:, None] * stride_ovt + kvh * stride_ovh + i[None, :], v.to(OUT_V.dtype.element_ty),
              mask=omask)

@@ -93,8 +93,8 @@ def tq_paged_store_kernel(
 
     x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=dmask, other=0.0)
     if K_FP8:
-        _fp8_encode_rows(x.to(tl.float32), ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, k_rot_scale,
-                         D_PAD, KG0, KGP0, K_EXACT)
+        _fp8_encode_rows(x.to(tl.float32), ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
+                         k_rot_scale, D_PAD, KG0, KGP0, K_EXACT)
     else:
         k_scale = _mse_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
                                    KCENT0, KBND0, KCENT1, KBND1, k_rot_scale, sqrt_d,
