@@ -23,7 +23,7 @@ each), from which mu_i = U_i - sgn_i V_partner(i) and mup_i = sgn_i U_partner(i)
 import triton
 import triton.language as tl
 
-from .codec_jit import _mse_decode_rows
+from .codec_jit import _mse_decode_rows, _split_f16
 
 
 @triton.jit
@@ -84,27 +84,46 @@ def _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, STEPS: tl.cons
 
 
 @triton.jit
-def _page_center_logits(w, z, start, PAGE_COS, PAGE_SIN, num_pages,
+def _center_query_operands(q, SUMS, sums_off, center_scale, D_PAD: tl.constexpr, ROT_HALF: tl.constexpr,
+                           NEOX: tl.constexpr):
+    """Once per program: w = q * mu, z = q * mup (times ``center_scale``) as fp16 tensor-core operands,
+    each row divided by a power of two (returned, [M] fp32) that keeps it in fp16 range."""
+    mu, mup = _center_vectors(SUMS, sums_off, D_PAD, ROT_HALF, NEOX)
+    w = q * (mu * center_scale)[None, :]
+    z = q * (mup * center_scale)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(w), axis=1), tl.max(tl.abs(z), axis=1))
+    row_scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
+    inv = 1.0 / row_scale
+    return (w * inv[:, None]).to(tl.float16), (z * inv[:, None]).to(tl.float16), row_scale
+
+
+@triton.jit
+def _page_center_logits(w, z, row_scale, start, PAGE_COS16, PAGE_SIN16, num_pages,
                         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Extra logits [M, BLOCK_N] of the tile of tokens start..start+BLOCK_N-1 (start a multiple of BLOCK_N):
-    q . c_page(t) = w . PC[page] + z . PS[page] with w = q * mu, z = q * mup (pre-scaled), [M, D_PAD] fp32.
+    q . c_page(t) = row_scale * (w . PC[page] + z . PS[page]) (``_center_query_operands``).
 
-    A tile spans at most 16 pages (BLOCK_N <= 16 * PAGE): one product per page against the rows of the
-    page tables, then a 0/1 matrix spreads each page's value over its tokens; both in 3-pass tf32
-    (fp32-level) so the term is as exact as the rest of the score."""
+    The tile's pages (BLOCK_N / PAGE of them, at most 16) are one fp16 product against their rows of the
+    fp16 page tables (rows past them are not loaded), then a 0/1 matrix spreads each page's value over
+    its tokens (hi + lo fp16 parts: exact). The centre term is then as precise as an fp16 score."""
     PP: tl.constexpr = 16
+    PPT: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
     i = tl.arange(0, D_PAD)
     pp = tl.arange(0, PP)
     pg0 = start // PAGE
     pg = tl.minimum(pg0 + pp, num_pages - 1).to(tl.int64)
     off = pg[:, None] * D_PAD + i[None, :]
-    pc = tl.load(PAGE_COS + off)
-    ps = tl.load(PAGE_SIN + off)
-    gp = tl.dot(w, tl.trans(pc), input_precision="tf32x3")
-    gp = tl.dot(z, tl.trans(ps), gp, input_precision="tf32x3")  # [M, PP]
+    rows = (pp < PPT)[:, None]
+    pc = tl.load(PAGE_COS16 + off, mask=rows, other=0.0)
+    ps = tl.load(PAGE_SIN16 + off, mask=rows, other=0.0)
+    gp = tl.dot(w, tl.trans(pc))
+    gp = tl.dot(z, tl.trans(ps), gp)  # [M, PP], |.| <= D_PAD: fp16 hi + lo hold it
+    gh, gl = _split_f16(gp)
     n = tl.arange(0, BLOCK_N)
-    spread = (((start + n) // PAGE - pg0)[None, :] == pp[:, None]).to(tl.float32)  # [PP, BLOCK_N]
-    return tl.dot(gp, spread, input_precision="tf32x3")
+    spread = (((start + n) // PAGE - pg0)[None, :] == pp[:, None]).to(tl.float16)  # [PP, BLOCK_N]
+    g = tl.dot(gh, spread)
+    g = tl.dot(gl, spread, g)
+    return g * row_scale[:, None]
 
 
 @triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS"])

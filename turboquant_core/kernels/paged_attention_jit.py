@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .codec_jit import _mse_decode_rows, _rotate_rows, _split_f16, _unrotate_rows
-from .key_centering_jit import _center_vectors, _page_center_logits, _token_page_rows
+from .key_centering_jit import _center_query_operands, _center_vectors, _page_center_logits, _token_page_rows
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
                  K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
                  K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_HILO: tl.constexpr,
                  ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr,
-                 cw, cz, PAGE_COS, PAGE_SIN, num_pages, CENTER: tl.constexpr):
+                 cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER: tl.constexpr):
     """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then
     scores, online-softmax update and the rotated-domain V accumulation."""
     t = start + tl.arange(0, BLOCK_N)
@@ -206,7 +206,8 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
                                                          KB1 <= PAIR_BITS, ASM_LOOKUP), Q_HILO)
         s = s * k_scale.to(tl.float32)[None, :]
         if CENTER:
-            s += _page_center_logits(cw, cz, start, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE, BLOCK_N)
+            s += _page_center_logits(cw, cz, c_scale, start, PAGE_COS16, PAGE_SIN16, num_pages,
+                                     D_PAD, PAGE, BLOCK_N)
     valid = row_valid[:, None] & tmask[None, :] & (t[None, :] <= pos[:, None])
     if HAS_WINDOW:
         valid = valid & (t[None, :] > pos[:, None] - window)
@@ -242,7 +243,7 @@ def tq_paged_attention_kernel(
     OUT, stride_ot, stride_oh, LSE, stride_lh,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_reqs, num_splits, qk_scale, v_rot_scale, window,
-    SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages, center_scale,
+    SUMS, stride_sr, stride_sh, PAGE_COS16, PAGE_SIN16, num_pages, center_scale,
     D: tl.constexpr, D_PAD: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, QPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
@@ -320,12 +321,12 @@ def tq_paged_attention_kernel(
         qk1h, qk1l = qk0h, qk0l
 
     if CENTER:
-        mu, mup = _center_vectors(SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh, D_PAD, ROT_HALF, NEOX)
-        cw = q * (mu * center_scale)[None, :]
-        cz = q * (mup * center_scale)[None, :]
+        cw, cz, c_scale = _center_query_operands(q, SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh,
+                                                 center_scale, D_PAD, ROT_HALF, NEOX)
     else:
-        cw = q
-        cz = q
+        cw = qk0h
+        cz = qk0h
+        c_scale = row_valid
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -347,7 +348,7 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, PAGE_COS, PAGE_SIN, num_pages, CENTER)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -357,7 +358,7 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, PAGE_COS, PAGE_SIN, num_pages, CENTER)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
 
     # Normalize, then inverse V rotation once. Rows are scaled to max |y| = 1 first so the fp16
     # hi/lo operands of the rotation product stay in range whatever the value norms.

@@ -49,6 +49,8 @@ class KeyCentering:
     theta: torch.Tensor  # [rot_half] float64, radians per token of each pair (CPU)
     page_cos: torch.Tensor  # [num_pages, dim_pad]: rho cos(m_p theta) per coordinate; row 0 zero
     page_sin: torch.Tensor  # [num_pages, dim_pad]
+    page_cos16: torch.Tensor  # the same in fp16: attention's tensor-core operands
+    page_sin16: torch.Tensor
     pos_cos: torch.Tensor  # [page, dim_pad]: cos(t theta) per coordinate for t < page (1 if unrotated)
     pos_sin: torch.Tensor  # [page, dim_pad]
 
@@ -117,7 +119,8 @@ def key_centering_tables(theta: torch.Tensor, head_dim: int, block_size: int, ma
     dev = torch.device(device)
     return KeyCentering(
         page=P, head_dim=head_dim, dim_pad=dim_pad, rot_half=h, neox=neox, theta=theta,
-        page_cos=pc.float().to(dev), page_sin=ps.float().to(dev), pos_cos=qc.float().to(dev),
+        page_cos=pc.float().to(dev), page_sin=ps.float().to(dev), page_cos16=pc.half().to(dev),
+        page_sin16=ps.half().to(dev), pos_cos=qc.float().to(dev),
         pos_sin=qs.float().to(dev))
 
 
