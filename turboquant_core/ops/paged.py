@@ -32,6 +32,9 @@ Ops
   GQA sharing, tensor cores and split-KV; returns out and optionally the log-sum-exp.
 - ``merge_attn_states``: combine two partial attentions (out, lse), e.g. cached context + fresh chunk.
 - ``tq_gather_dequant``: cached tokens -> dense bf16/fp16 K, V (a fallback path and a test aid).
+- Key centering (``ops.key_centering``): ``tq_store(..., centering=...)`` stores each sequence's first
+  page plain and later keys minus their page's centre; ``tq_key_center_sums`` derives the centres'
+  sums from the first pages; attention and gather-dequant take the same ``centering`` and sums.
 Each has a plain-torch ``*_ref`` here.
 
 Which path to use (H200, Qwen3-8B heads, see benchmarks/bench_paged_attention.py)
