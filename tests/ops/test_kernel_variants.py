@@ -64,8 +64,14 @@ bs = 16
 layout = paged_layout(fmt, head_dim=d, block_size=bs)
 cache = allocate_kv_cache(64, hkv, layout)
 asm = len(sys.argv) < 8 or sys.argv[7] == "asm"
+cent = None
+if len(sys.argv) > 8 and sys.argv[8] == "center":
+    from turboquant_core.ops.key_centering import key_centering_tables
+    from turboquant_core.ops.paged import new_center_sums
+    cent = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, bs, 8192)
+    sums = new_center_sums(70, hkv, cent, "cpu")
 warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window,
-               config=TQAttentionConfig(asm_lookup=asm))
+               config=TQAttentionConfig(asm_lookup=asm), centering=cent)
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -83,14 +89,21 @@ value = qkv[:, (hq + hkv) * d :].view(max_tokens, hkv, d)
 output = torch.zeros(max_tokens, hq, d, dtype=torch.bfloat16)
 seq = torch.full((70,), 40, dtype=torch.int32)
 plan = TQAttentionPlan(layout, hq, hkv, "cpu", workspace_bytes=32 << 20)
+cen = {}
 for n in (1, 3, 7, 16, 33, 64, 128, 300, 600):  # store: any number of tokens
-    tq_store(key[:n], value[:n], cache, torch.arange(n), layout)
+    if cent is not None:
+        reqs = min(n, 5)
+        qsl = torch.tensor([0] + [n * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
+        cen = dict(centering=cent, query_start_loc=qsl, seq_lens=seq[:reqs] + n, block_table=table[:reqs],
+                   center_sums=sums)
+    tq_store(key[:n], value[:n], cache, torch.arange(n), layout, **cen)
+cen = {} if cent is None else dict(centering=cent)
 for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's long max_seq_len
     for max_seq in (40, 8192):
         qsl = torch.arange(reqs + 1, dtype=torch.int32)
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
                   causal=True, sliding_window=window)
-        plan.run(query[:reqs], cache, out=output[:reqs])
+        plan.run(query[:reqs], cache, out=output[:reqs], **cen, **({"center_sums": sums} if cen else {}))
 for first in (0, 1, 3, 8):  # context after `first` decode rows: table slices start at row `first`
     for ntok in list(range(1, 131)) + [257, 512]:
         for reqs in (1, 2, 3):
@@ -103,7 +116,7 @@ for first in (0, 1, 3, 8):  # context after `first` decode rows: table slices st
             plan.plan(table[first : first + reqs], qsl, ctx, num_tokens=ntok, max_query_len=longest,
                       max_seq_len=24, causal=False, sliding_window=window)
             out = torch.empty(q.shape, dtype=q.dtype)
-            plan.run(q, cache, out=out, return_lse=True)
+            plan.run(q, cache, out=out, return_lse=True, **cen, **({"center_sums": sums[first:]} if cen else {}))
 serve = set(seen)
 print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
                       kernels=sorted({k for k, _ in serve}))))
@@ -135,6 +148,25 @@ def test_warmup_covers_every_serving_variant(case):
     assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_merge_splits_kernel"}
     # store + decode (2) + context (4 shapes x 2) + merge (with and without lse)
     assert len(res["warm"]) == 1 + 2 + 8 + 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_warmup_covers_every_centred_serving_variant(case):
+    res = _probe("keys", case, "asm", "center")
+    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
+    assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_key_center_sums_kernel", "tq_paged_attention_kernel",
+                                   "tq_merge_splits_kernel"}
+    # store (2 passes) + sums + decode (2) + context (4 shapes x 2) + merge (with and without lse)
+    assert len(res["warm"]) == 3 + 2 + 8 + 2
+
+
+@pytest.mark.slow
+def test_centred_warmup_variants_compile_for_sm90():
+    res = _probe("compile", CASES[0], "asm", "center")
+    names = [c["kernel"] for c in res["compiled"]]
+    assert names.count("tq_paged_attention_kernel") == 10 and names.count("tq_paged_store_kernel") == 2
+    assert all(c["shared"] <= 232448 for c in res["compiled"])
 
 
 @pytest.mark.slow

@@ -316,7 +316,8 @@ def vllm_wheel() -> Path:
 
 def test_real_series_on_pristine_sources(vllm_wheel, tmp_path):
     series = patches.read_series(REAL_SERIES)
-    touched = {fp.old_path for p in series for fp in p.files if fp.old_path}
+    created = {fp.new_path for p in series for fp in p.files if not fp.old_path}  # by the series itself
+    touched = {fp.old_path for p in series for fp in p.files if fp.old_path} - created
     site = tmp_path / "site"
     with zipfile.ZipFile(vllm_wheel) as z:
         for name in sorted(touched | {"vllm/_version.py"}):
@@ -349,6 +350,10 @@ def test_real_series_on_pristine_sources(vllm_wheel, tmp_path):
     assert "def tq_key_smoothing(" in base_loader and "apply_key_smoothing_fused" in base_loader
     assert base_loader.index("tq_key_smoothing(model, vllm_config)") < base_loader.index(
         "process_weights_after_loading(model, model_config, target_device)")
+    # Key centering is attached at start-up and used by the store and both attention paths.
+    tq_attn = (site / "vllm" / "v1" / "attention" / "backends" / "tq_attn.py").read_text()
+    assert "def attach_key_centering(" in tq_attn and "skipped = attach_key_centering(model_runner)" in tq_attn
+    assert tq_attn.count("**self._centering_args(") == 2 and "centering=self.key_centering," in tq_attn
     for rel in sorted({fp.path for p in series for fp in p.files if fp.new_path and fp.path.endswith(".py")}):
         compile((site / rel).read_text(), rel, "exec")
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from turboquant_core.formats import get_format
-from turboquant_core.ops.paged import dequant_cached_ref, paged_layout
+from turboquant_core.ops.key_centering import key_centering_tables
+from turboquant_core.ops.paged import center_sums_ref, dequant_cached_ref, paged_layout
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -47,12 +48,13 @@ def make_backend(tq_attn, fmt, *, num_heads, num_kv_heads, head_size, block_size
 
     scale = scale if scale is not None else head_size ** -0.5
     impl = tq_attn.TQAttentionImpl(num_heads, head_size, scale, num_kv_heads, None, window, fmt)
-    layer = SimpleNamespace(impl=impl)
+    layer = SimpleNamespace(impl=impl, layer_name="layers.0.attn")
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(cache_dtype=fmt),
         model_config=SimpleNamespace(max_model_len=max_model_len),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         speculative_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=64),
         compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}),
     )
     spec = TQFullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -113,7 +115,7 @@ def fill_and_run(impl, layer, builder, batch, cache, *, cudagraph=False):
     return out
 
 
-def reference(batch, cache, layout, scale, window):
+def reference(batch, cache, layout, scale, window, centering=None, center_sums=None):
     """float64 attention: decode rows over the dequantized cache, prefill rows over the dequantized
     context plus their fresh bf16 K/V."""
     hq, d = batch.q.shape[1], batch.q.shape[2]
@@ -121,10 +123,11 @@ def reference(batch, cache, layout, scale, window):
     for r, (ctx, ql) in enumerate(batch.requests):
         t0 = batch.qsl[r]
         row = batch.block_table[r].to(DEVICE)
+        cen = dict(centering=centering, center_sums_row=None if centering is None else center_sums[r])
         if ql == 1:
-            k, v = dequant_cached_ref(cache, layout, row, ctx + 1)
+            k, v = dequant_cached_ref(cache, layout, row, ctx + 1, **cen)
         else:
-            kc, vc = dequant_cached_ref(cache, layout, row, ctx)
+            kc, vc = dequant_cached_ref(cache, layout, row, ctx, **cen)
             k = torch.cat([kc, batch.k[t0:t0 + ql].float()])
             v = torch.cat([vc, batch.v[t0:t0 + ql].float()])
         g = hq // k.shape[1]
@@ -176,6 +179,48 @@ def test_mixed_batch(tq_attn, window, block_size):
     out = fill_and_run(impl, layer, builder, batch, cache)
     _check(out, reference(batch, cache, paged_layout(fmt, d, block_size), 0.07, window),
            f"window={window} block={block_size}")
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size):
+    """The context is stored in one step and the batch in the next, each with its own metadata (the
+    forward context's, patched in); keys carry a shared component that the centres remove."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    fmt, d = "turboquant_k3v4_nc", 128
+    gen = torch.Generator().manual_seed(5)
+    kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=block_size)
+    impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, **kw)
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    impl.key_centering = key_centering_tables(theta, d, block_size, 4096, device=DEVICE)
+    # decodes first (the builder's order); the third has no full first page yet
+    requests = [(55, 1), (130, 1), (9, 1), (0, 37), (100, 29), (211, 5)]
+    batch = Batch(requests, num_blocks=64 if block_size == 64 else 256, gen=gen, **kw)
+    batch.k_ctx += 4.0  # a shared component (the same in every position: RoPE'd or not, the centres take it)
+    nb = batch.block_table.max().item() + 1
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(max(nb, 64), block_size, 4, d, fmt),
+                        dtype=torch.uint8, device=DEVICE)
+    ctx_lens = torch.tensor([c for c, _ in requests], dtype=torch.int32)
+    ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
+    cam_ctx = CommonAttentionMetadata(
+        query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
+        num_reqs=len(requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
+        max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
+        slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens)
+    md_ctx = builder.build(0, cam_ctx)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
+    impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
+    md = builder.build(0, batch.cam)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
+    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
+    layout = paged_layout(fmt, d, block_size)
+    sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
+    assert sums[1].abs().max() > 1.0 and (sums[2] == 0).all() and (sums[3] == 0).all() == (37 < block_size)
+    _check(out, reference(batch, cache, layout, 0.07, None, impl.key_centering, sums), f"centred block={block_size}")
+    plain = reference(batch, cache, layout, 0.07, None)
+    assert (plain - out.double()).abs().max() > 0.1  # the centres are really there
 
 
 def test_prefill_without_context_writes_output_directly(tq_attn):

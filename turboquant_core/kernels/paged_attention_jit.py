@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .codec_jit import _mse_decode_rows, _rotate_rows, _split_f16, _unrotate_rows
+from .key_centering_jit import _center_query_operands, _center_vectors, _page_center_logits, _token_page_rows
 
 
 @triton.jit
@@ -167,7 +168,8 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
                  VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr,
                  K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
                  K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_HILO: tl.constexpr,
-                 ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr):
+                 ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr,
+                 cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER: tl.constexpr):
     """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then
     scores, online-softmax update and the rotated-domain V accumulation."""
     t = start + tl.arange(0, BLOCK_N)
@@ -203,6 +205,9 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
             s += _qdot(qk1h, qk1l, _dequant_words(kw1, KC1, KP1, two, four, BLOCK_N, KGP1, KB1,
                                                          KB1 <= PAIR_BITS, ASM_LOOKUP), Q_HILO)
         s = s * k_scale.to(tl.float32)[None, :]
+        if CENTER:
+            s += _page_center_logits(cw, cz, c_scale, start, PAGE_COS16, PAGE_SIN16, num_pages,
+                                     D_PAD, PAGE, BLOCK_N)
     valid = row_valid[:, None] & tmask[None, :] & (t[None, :] <= pos[:, None])
     if HAS_WINDOW:
         valid = valid & (t[None, :] > pos[:, None] - window)
@@ -238,6 +243,7 @@ def tq_paged_attention_kernel(
     OUT, stride_ot, stride_oh, LSE, stride_lh,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_reqs, num_splits, qk_scale, v_rot_scale, window,
+    SUMS, stride_sr, stride_sh, PAGE_COS16, PAGE_SIN16, num_pages, center_scale,
     D: tl.constexpr, D_PAD: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, QPB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
@@ -248,13 +254,17 @@ def tq_paged_attention_kernel(
     K_ROW: tl.constexpr, V_ROW: tl.constexpr,
     SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     WRITE_LSE: tl.constexpr, WHILE_LOOP: tl.constexpr, Q_HILO: tl.constexpr, ASM_LOOKUP: tl.constexpr,
-    PAIR_BITS: tl.constexpr,
+    PAIR_BITS: tl.constexpr, CENTER: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
 ):
     """Grid (query blocks, Hkv, num_splits). ``qk_scale`` = softmax_scale * log2(e) * rot_scale(K).
 
     KROT_*/VROT_* hold the rotation rows in kernel order (8*KGP0 [+ 8*KGP1] rows of D_PAD; fp8 keys:
     D_PAD rows in natural order); KC*/VC* the fp16 codebooks of each segment, KP*/VP* their pair tables
-    (used for segments of at most PAIR_BITS bits); ``two``/``four`` are the run-time ints 2 and 4."""
+    (used for segments of at most PAIR_BITS bits); ``two``/``four`` are the run-time ints 2 and 4.
+
+    ``CENTER`` (MSE keys): keys past the first page were stored minus their page's centre
+    (``key_centering_jit``); the tile adds q . c_page to their scores, ``center_scale`` =
+    softmax_scale * log2(e). SUMS is indexed by this launch's request index."""
     qblock = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -310,6 +320,14 @@ def tq_paged_attention_kernel(
     else:
         qk1h, qk1l = qk0h, qk0l
 
+    if CENTER:
+        cw, cz, c_scale = _center_query_operands(q, SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh,
+                                                 center_scale, D_PAD, ROT_HALF, NEOX)
+    else:
+        cw = qk0h
+        cz = qk0h
+        c_scale = row_valid
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc0 = tl.zeros((BLOCK_M, 8 * VGP0), tl.float32)
@@ -330,7 +348,7 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -340,7 +358,7 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
 
     # Normalize, then inverse V rotation once. Rows are scaled to max |y| = 1 first so the fp16
     # hi/lo operands of the rotation product stay in range whatever the value norms.
@@ -405,7 +423,7 @@ def tq_paged_gather_dequant_kernel(
     BLOCK_TABLE, stride_bt, SEQ_LENS, CU_KV,
     KROT_HI, KROT_LO, KCENT0, KCENT1, VROT_HI, VROT_LO, VCENT0, VCENT1,
     OUT_K, stride_okt, stride_okh, OUT_V, stride_ovt, stride_ovh,
-    k_rot_scale, v_rot_scale,
+    k_rot_scale, v_rot_scale, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
@@ -413,8 +431,10 @@ def tq_paged_gather_dequant_kernel(
     VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr, V_EXACT: tl.constexpr,
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr, BN: tl.constexpr,
+    CENTER: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
 ):
-    """Cached tokens of request r -> dense K/V rows CU_KV[r] + t. Grid (R, cdiv(max_seq_len, BN), Hkv)."""
+    """Cached tokens of request r -> dense K/V rows CU_KV[r] + t. Grid (R, cdiv(max_seq_len, BN), Hkv).
+    ``CENTER``: keys get their page's centre back (``key_centering_jit``)."""
     req = tl.program_id(0)
     t = tl.program_id(1) * BN + tl.arange(0, BN)
     kvh = tl.program_id(2)
@@ -442,6 +462,10 @@ def tq_paged_gather_dequant_kernel(
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
         k = _mse_decode_rows(CACHE, krow, tmask, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD, KG0, KGP0, KB0,
                              KG1, KGP1, KB1, K_EXACT, BN, False) * (k_scale * k_rot_scale)[:, None]
+        if CENTER:
+            mu, mup = _center_vectors(SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh, D_PAD, ROT_HALF, NEOX)
+            pc, ps = _token_page_rows(t, tmask, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
+            k += mu[None, :] * pc + mup[None, :] * ps
     tl.store(OUT_K + row[:, None] * stride_okt + kvh * stride_okh + i[None, :], k.to(OUT_K.dtype.element_ty),
              mask=omask)
 

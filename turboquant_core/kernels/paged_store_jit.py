@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .codec_jit import _mse_encode_rows, _rotate_rows
+from .key_centering_jit import _center_vectors, _token_page_rows, _token_positions
 
 
 @triton.jit
@@ -61,13 +62,15 @@ def _fp8_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, rot_scale,
     tl.store(OUT + out_off[:, None] + coord[None, :], code, mask=row_mask[:, None] & valid[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # the token count changes every step: one variant
+# The token count changes every step, the request count and the metadata pointers with the batch: one variant.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS"])
 def tq_paged_store_kernel(
     KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
     CACHE, CACHE16, stride_cb, stride_ch,
     KROT_HI, KROT_LO, KCENT0, KBND0, KCENT1, KBND1,
     VROT_HI, VROT_LO, VCENT0, VBND0, VCENT1, VBND1,
     num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
+    QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
@@ -75,9 +78,15 @@ def tq_paged_store_kernel(
     VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr, V_NC: tl.constexpr, V_EXACT: tl.constexpr,
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, CENTER_MODE: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
-    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv). Slot < 0: token skipped."""
+    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv). Slot < 0: token skipped.
+
+    Key centering (``key_centering_jit``) stores a sequence in two passes around the launch that derives
+    its centre from the first page: ``CENTER_MODE`` 0: no centering (K and V of every token); 1: V of
+    every token, K of first-page tokens (position < PAGE); 2: K of later tokens minus their page's
+    centre, no V. Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata)."""
     tok = tl.program_id(0) * BN + tl.arange(0, BN)
     head = tl.program_id(1)
     tmask = tok < num_tokens
@@ -91,18 +100,31 @@ def tq_paged_store_kernel(
     dmask = ok[:, None] & (i < D)[None, :]
     tok64 = tok.to(tl.int64)
 
-    x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=dmask, other=0.0)
+    k_ok = ok
+    if CENTER_MODE > 0:
+        req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
+        if CENTER_MODE == 1:
+            k_ok = ok & (pos >= 0) & (pos < PAGE)
+        else:
+            k_ok = ok & (pos >= PAGE)
+    kmask = k_ok[:, None] & (i < D)[None, :]
+    x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=kmask, other=0.0)
+    if CENTER_MODE == 2:
+        mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
+                                  D_PAD, ROT_HALF, NEOX)
+        pc, ps = _token_page_rows(pos, k_ok, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
+        x = x.to(tl.float32) - (mu * pc + mup * ps)
     if K_FP8:
-        _fp8_encode_rows(x.to(tl.float32), ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
+        _fp8_encode_rows(x.to(tl.float32), k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
                          k_rot_scale, D_PAD, KG0, KGP0, K_EXACT)
     else:
-        k_scale = _mse_encode_rows(x, ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
+        k_scale = _mse_encode_rows(x, k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
                                    KCENT0, KBND0, KCENT1, KBND1, k_rot_scale, sqrt_d,
                                    D_PAD, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT, BN)
-        tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=ok)
-
-    y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
-    v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO,
-                               VCENT0, VBND0, VCENT1, VBND1, v_rot_scale, sqrt_d,
-                               D_PAD, VG0, VGP0, VB0, VG1, VGP1, VB1, V_NC, V_EXACT, BN)
-    tl.store(CACHE16 + (base + V_SC_OFF) // 2 + off, v_scale.to(tl.float16), mask=ok)
+        tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=k_ok)
+    if CENTER_MODE != 2:  # (the second pass writes keys only)
+        y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
+        v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO,
+                                   VCENT0, VBND0, VCENT1, VBND1, v_rot_scale, sqrt_d,
+                                   D_PAD, VG0, VGP0, VB0, VG1, VGP1, VB1, V_NC, V_EXACT, BN)
+        tl.store(CACHE16 + (base + V_SC_OFF) // 2 + off, v_scale.to(tl.float16), mask=ok)

@@ -32,6 +32,9 @@ Ops
   GQA sharing, tensor cores and split-KV; returns out and optionally the log-sum-exp.
 - ``merge_attn_states``: combine two partial attentions (out, lse), e.g. cached context + fresh chunk.
 - ``tq_gather_dequant``: cached tokens -> dense bf16/fp16 K, V (a fallback path and a test aid).
+- Key centering (``ops.key_centering``): ``tq_store(..., centering=...)`` stores each sequence's first
+  page plain and later keys minus their page's centre; ``tq_key_center_sums`` derives the centres'
+  sums from the first pages; attention and gather-dequant take the same ``centering`` and sums.
 Each has a plain-torch ``*_ref`` here.
 
 Which path to use (H200, Qwen3-8B heads, see benchmarks/bench_paged_attention.py)
@@ -57,6 +60,7 @@ import torch
 import triton
 
 from ..formats import KVFormat, get_format
+from ..kernels.key_centering_jit import tq_key_center_sums_kernel
 from ..kernels.paged_attention_jit import (
     tq_merge_splits_kernel,
     tq_paged_attention_kernel,
@@ -66,6 +70,13 @@ from ..kernels.paged_store_jit import tq_paged_store_kernel
 from ..quantizer import FP8_MAX, FP8Quantizer
 from ..rotation import check_head_dim
 from .codec import decode_ref, encode_ref
+from .key_centering import (
+    KeyCentering,
+    center_sums_from_keys_ref,
+    center_vectors_ref,
+    request_positions,
+    token_centers_ref,
+)
 from .rotation_tables import CodecTables, codec_tables, padded_rotated_order
 
 PAGE_SECTION_ALIGN = 16
@@ -286,11 +297,67 @@ def _check_kv(x: torch.Tensor, name: str, layout: PagedTQLayout) -> None:
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
 
 
+STORE_SEARCH_STEPS = 16  # binary-search halvings of the store's token -> request lookup
+MAX_CENTERED_REQS = (1 << STORE_SEARCH_STEPS) - 1
+
+
+def _check_centering(centering: KeyCentering, layout: PagedTQLayout) -> None:
+    if layout.key_is_fp8:
+        raise ValueError(f"key centering serves MSE keys; {layout.fmt.name} stores fp8 keys")
+    if centering.page != layout.block_size or centering.head_dim != layout.head_dim:
+        raise ValueError(f"key centering tables for page {centering.page} / head_dim {centering.head_dim} do not "
+                         f"match the layout's block size {layout.block_size} / head_dim {layout.head_dim}")
+
+
+def new_center_sums(num_reqs: int, num_kv_heads: int, centering: KeyCentering, device) -> torch.Tensor:
+    """Scratch for the per-(request, KV head) sums of key centering: [num_reqs, Hkv, 2, dim_pad] fp32."""
+    return torch.zeros(max(num_reqs, 1), num_kv_heads, 2, centering.dim_pad, dtype=torch.float32, device=device)
+
+
+def _check_sums(center_sums: torch.Tensor, num_reqs: int, num_kv_heads: int, centering: KeyCentering) -> None:
+    want = (num_kv_heads, 2, centering.dim_pad)
+    if (center_sums.dtype != torch.float32 or center_sums.dim() != 4 or tuple(center_sums.shape[1:]) != want
+            or center_sums.shape[0] < num_reqs or center_sums.stride(3) != 1
+            or center_sums.stride(2) != centering.dim_pad):
+        raise ValueError(f"center_sums must be float32 [>= {num_reqs}, {want[0]}, 2, {want[2]}] with contiguous "
+                         f"last two dims (new_center_sums), got {center_sums.dtype} {tuple(center_sums.shape)}")
+
+
+def tq_key_center_sums(cache: torch.Tensor, layout: PagedTQLayout, centering: KeyCentering,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sums (U, V) [R, Hkv, 2, dim_pad] of every request's first page into ``out`` (zeros for requests
+    whose first page is not full yet). One launch, no host synchronization."""
+    num_kv_heads = cache.shape[1]
+    _check_centering(centering, layout)
+    u8, f16 = _cache_views(cache, layout, num_kv_heads)
+    num_reqs = block_table.shape[0]
+    _check_sums(out, num_reqs, num_kv_heads, centering)
+    if num_reqs == 0:
+        return out
+    kt, _ = _layout_tables(layout, cache.device)
+    kc = kt.codec
+    tq_key_center_sums_kernel[(num_reqs, num_kv_heads)](
+        u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens,
+        kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], centering.pos_cos, centering.pos_sin,
+        out, out.stride(0), out.stride(1), kc.rot_scale,
+        D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4,
+        **kt.constexprs("K"), K_IDX_OFF=layout.kernel_constexprs()["K_IDX_OFF"],
+        K_SC_OFF=layout.kernel_constexprs()["K_SC_OFF"], K_ROW=layout.kernel_constexprs()["K_ROW"],
+    )
+    return out
+
+
 def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-             layout: PagedTQLayout) -> None:
+             layout: PagedTQLayout, *, centering: KeyCentering | None = None,
+             query_start_loc: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+             block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None):
     """Quantize K/V [T, Hkv, d] and write them into ``cache`` at ``slot_mapping`` [T] (< 0: skipped).
 
-    One launch for K and V; no host synchronization."""
+    One launch for K and V; no host synchronization. With ``centering`` (``ops.key_centering``) the batch
+    metadata is needed too (query_start_loc [R+1], seq_lens [R] including this step's tokens,
+    block_table [R, *]: the tokens' requests and positions) and three launches run: V of every token
+    and K of first-page tokens; the first pages' sums into ``center_sums`` (``new_center_sums``); K of
+    later tokens minus their page's centre. Returns ``center_sums`` (which attention then reads)."""
     _check_kv(key, "key", layout)
     _check_kv(value, "value", layout)
     if value.shape != key.shape:
@@ -299,25 +366,48 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
         raise ValueError(f"slot_mapping must be 1-D with >= {num_tokens} entries, got {tuple(slot_mapping.shape)}")
     u8, f16 = _cache_views(cache, layout, num_kv_heads)
+    if centering is not None:
+        _check_centering(centering, layout)
+        if query_start_loc is None or seq_lens is None or block_table is None or center_sums is None:
+            raise ValueError("key centering needs query_start_loc, seq_lens, block_table and center_sums")
+        num_reqs = block_table.shape[0]
+        if num_reqs > MAX_CENTERED_REQS:
+            raise ValueError(f"key centering stores at most {MAX_CENTERED_REQS} requests per batch, got {num_reqs}")
+        _check_sums(center_sums, num_reqs, num_kv_heads, centering)
     if num_tokens == 0:
-        return
+        return center_sums
     kt, vt = _layout_tables(layout, key.device)
     kc, vc = kt.codec, vt.codec
     kcent0, kbnd0, kcent1, kbnd1 = kc.segment_tables()
     vcent0, vbnd0, vcent1, vbnd1 = vc.segment_tables()
     bn = 32 if kc.dim_pad <= 128 else 16
     grid = (triton.cdiv(num_tokens, bn), num_kv_heads)
-    tq_paged_store_kernel[grid](
-        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
-        u8, f16, u8.stride(0), u8.stride(1),
-        kc.rot_hi, kc.rot_lo, kcent0, kbnd0, kcent1, kbnd1,
-        vc.rot_hi, vc.rot_lo, vcent0, vbnd0, vcent1, vbnd1,
-        num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
-        D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
-        K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
-        BN=bn, num_warps=4,
-        **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
-    )
+
+    def launch(mode: int) -> None:
+        c = centering
+        tq_paged_store_kernel[grid](
+            key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
+            u8, f16, u8.stride(0), u8.stride(1),
+            kc.rot_hi, kc.rot_lo, kcent0, kbnd0, kcent1, kbnd1,
+            vc.rot_hi, vc.rot_lo, vcent0, vbnd0, vcent1, vbnd1,
+            num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
+            *((query_start_loc, seq_lens, block_table.shape[0], center_sums, center_sums.stride(0),
+               center_sums.stride(1), c.page_cos, c.page_sin, c.num_pages) if mode else
+              (f16, f16, 0, f16, 0, 0, f16, f16, 1)),
+            D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
+            K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
+            BN=bn, CENTER_MODE=mode, ROT_HALF=c.rot_half if mode else 0, NEOX=c.neox if mode else True,
+            SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4,
+            **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
+        )
+
+    if centering is None:
+        launch(0)
+        return None
+    launch(1)
+    tq_key_center_sums(cache, layout, centering, block_table, seq_lens, center_sums)
+    launch(2)
+    return center_sums
 
 
 def _encode_tokens_ref(key: torch.Tensor, value: torch.Tensor, layout: PagedTQLayout):
@@ -339,19 +429,60 @@ def _section(cache: torch.Tensor, layout: PagedTQLayout, name: str) -> torch.Ten
 
 
 def tq_store_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 layout: PagedTQLayout) -> None:
-    """Plain-torch reference of ``tq_store`` (quantizers + packing, indexed writes)."""
+                 layout: PagedTQLayout, *, centering: KeyCentering | None = None,
+                 query_start_loc: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None):
+    """Plain-torch reference of ``tq_store`` (quantizers + packing, indexed writes), same arguments.
+    With centering and no ``center_sums``, the sums come from ``center_sums_ref`` after the first pass;
+    given ones (e.g. the kernel's) are used as they are. Returns the sums used (or None)."""
     _check_kv(key, "key", layout)
     _cache_views(cache, layout, key.shape[1])
-    keep = slot_mapping[: key.shape[0]] >= 0
-    slots = slot_mapping[: key.shape[0]][keep].long()
-    k_idx, k_scale, v_idx, v_scale = _encode_tokens_ref(key[keep], value[keep], layout)
-    blk, off = slots // layout.block_size, slots % layout.block_size
-    _section(cache, layout, "k_index")[blk, :, off] = k_idx
-    _section(cache, layout, "v_index")[blk, :, off] = v_idx
-    if k_scale is not None:
-        _section(cache, layout, "k_scale")[blk, :, off] = k_scale.view(torch.uint8).view(*k_scale.shape, 2)
-    _section(cache, layout, "v_scale")[blk, :, off] = v_scale.view(torch.uint8).view(*v_scale.shape, 2)
+    n = key.shape[0]
+    keep = slot_mapping[:n] >= 0
+    if centering is None:
+        _store_tokens_ref(key, value, cache, slot_mapping[:n], keep, keep, layout)
+        return None
+    _check_centering(centering, layout)
+    pos = request_positions(query_start_loc, seq_lens, n)
+    req = torch.searchsorted(query_start_loc.long()[1:], torch.arange(n, device=key.device), right=True)
+    req = req.clamp_max(block_table.shape[0] - 1)
+    first = keep & (pos >= 0) & (pos < layout.block_size)
+    _store_tokens_ref(key, value, cache, slot_mapping[:n], first, keep, layout)
+    if center_sums is None:
+        center_sums = center_sums_ref(cache, layout, centering, block_table, seq_lens)
+    later = keep & (pos >= layout.block_size)
+    mu, mup = center_vectors_ref(center_sums[req], centering)
+    centred = (key.double() - token_centers_ref(mu, mup, pos.clamp_min(0), centering)).float()
+    _store_tokens_ref(centred, value, cache, slot_mapping[:n], later, torch.zeros_like(keep), layout)
+    return center_sums
+
+
+def _store_tokens_ref(key, value, cache, slots, k_keep, v_keep, layout: PagedTQLayout) -> None:
+    """Encode and write the keys of tokens ``k_keep`` and the values of tokens ``v_keep`` [T] bool."""
+    k_idx, k_scale, v_idx, v_scale = _encode_tokens_ref(key, value, layout)
+    for keep, parts in ((k_keep, (("k_index", k_idx), ("k_scale", k_scale))),
+                        (v_keep, (("v_index", v_idx), ("v_scale", v_scale)))):
+        sl = slots[keep].long()
+        blk, off = sl // layout.block_size, sl % layout.block_size
+        for name, data in parts:
+            if data is None:
+                continue
+            data = data[keep]
+            if name.endswith("scale"):
+                data = data.view(torch.uint8).view(*data.shape, 2)
+            _section(cache, layout, name)[blk, :, off] = data
+
+
+def center_sums_ref(cache: torch.Tensor, layout: PagedTQLayout, centering: KeyCentering,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Reference of ``tq_key_center_sums``: [R, Hkv, 2, dim_pad] float32 from the decoded first pages."""
+    out = torch.zeros(block_table.shape[0], cache.shape[1], 2, centering.dim_pad, dtype=torch.float64,
+                      device=cache.device)
+    for r, n in enumerate(seq_lens.tolist()[: block_table.shape[0]]):
+        if n >= layout.block_size:
+            k, _ = dequant_cached_ref(cache, layout, block_table[r], layout.block_size)
+            out[r] = center_sums_from_keys_ref(k.transpose(0, 1), centering)
+    return out.float()
 
 
 def read_slots(cache: torch.Tensor, layout: PagedTQLayout, slots: torch.Tensor):
@@ -376,8 +507,10 @@ def read_cached_tokens(cache: torch.Tensor, layout: PagedTQLayout, block_table_r
                       + t % layout.block_size)
 
 
-def dequant_cached_ref(cache: torch.Tensor, layout: PagedTQLayout, block_table_row: torch.Tensor, n: int):
-    """Tokens 0..n-1 of one request dequantized by the references: K, V [n, Hkv, d] float32."""
+def dequant_cached_ref(cache: torch.Tensor, layout: PagedTQLayout, block_table_row: torch.Tensor, n: int, *,
+                       centering: KeyCentering | None = None, center_sums_row: torch.Tensor | None = None):
+    """Tokens 0..n-1 of one request dequantized by the references: K, V [n, Hkv, d] float32.
+    With ``centering``, keys get their page's centre back (sums [Hkv, 2, dim_pad] of the request)."""
     f, d = layout.fmt, layout.head_dim
     k_idx, k_scale, v_idx, v_scale = read_cached_tokens(cache, layout, block_table_row, n)
     if layout.key_is_fp8:
@@ -385,6 +518,11 @@ def dequant_cached_ref(cache: torch.Tensor, layout: PagedTQLayout, block_table_r
     else:
         k = decode_ref(k_idx, k_scale, d, f.key.bits, f.key_seed)
     v = decode_ref(v_idx, v_scale, d, f.value.bits, f.value_seed)
+    k = k.double()
+    if centering is not None:
+        mu, mup = center_vectors_ref(center_sums_row, centering)  # [Hkv, dim_pad]
+        t = torch.arange(n, device=cache.device)
+        k = k + token_centers_ref(mu.expand(n, *mu.shape), mup.expand(n, *mup.shape), t, centering)
     return k.float(), v.float()
 
 
@@ -525,13 +663,20 @@ class TQAttentionPlan:
         return self
 
     def run(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor | None = None,
-            return_lse: bool = False, lse: torch.Tensor | None = None):
+            return_lse: bool = False, lse: torch.Tensor | None = None, *,
+            centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None):
         """q [Tq, Hq, d] (fp16/bf16, contiguous last dim) -> out [Tq, Hq, d] (and lse [Hq, Tq] fp32,
         natural log, -inf for rows that see no token). Rows of tokens outside query_start_loc's
-        range are left unspecified."""
+        range are left unspecified. A cache stored with key centering is read with the same
+        ``centering`` and the ``center_sums`` of the planned requests (row r: block_table row r)."""
         if not self._planned:
             raise RuntimeError("call plan() before run()")
         lay, d = self.layout, self.layout.head_dim
+        if centering is not None:
+            _check_centering(centering, lay)
+            if center_sums is None:
+                raise ValueError("key centering needs the center_sums that the store wrote")
+            _check_sums(center_sums, self.num_reqs, self.num_kv_heads, centering)
         if q.dim() != 3 or q.shape[1] != self.num_q_heads or q.shape[2] != d or q.stride(-1) != 1:
             raise ValueError(f"q must be [Tq, {self.num_q_heads}, {d}] with a contiguous last dim, "
                              f"got {tuple(q.shape)}")
@@ -575,11 +720,16 @@ class TQAttentionPlan:
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             self.num_reqs, s, self.softmax_scale * kt.codec.rot_scale / LN2, vt.codec.rot_scale,
             self.sliding_window or 0,
+            *((center_sums, center_sums.stride(0), center_sums.stride(1), centering.page_cos16,
+               centering.page_sin16, centering.num_pages) if centering is not None else (f16, 0, 0, f16, f16, 1)),
+            self.softmax_scale / LN2,
             D=d, D_PAD=kt.codec.dim_pad, GQ=self.group, GQ_PAD=self.block_m // self.qpb, QPB=self.qpb,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             K_FP8=lay.key_is_fp8, SPLIT=s > 1, ONE_QBLOCK=self.one_qblock, CAUSAL=self.causal,
             HAS_WINDOW=self.sliding_window is not None, WRITE_LSE=write_lse, WHILE_LOOP=_interpreting(),
             Q_HILO=cfg.q_hilo, ASM_LOOKUP=cfg.asm_lookup and not _interpreting(), PAIR_BITS=cfg.pair_bits,
+            CENTER=centering is not None, ROT_HALF=centering.rot_half if centering is not None else 0,
+            NEOX=centering.neox if centering is not None else True,
             num_warps=self.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}),
             **kt.constexprs("K", lay.key_is_fp8), **vt.constexprs("V"), **lay.kernel_constexprs(),
@@ -597,7 +747,8 @@ class TQAttentionPlan:
 def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
                    dtype: torch.dtype = torch.bfloat16, sliding_window: int | None = None,
                    softmax_scale: float | None = None, paths: tuple[str, ...] = ("decode", "context"),
-                   block_id: int = 0, config: TQAttentionConfig | None = None) -> list[dict]:
+                   block_id: int = 0, config: TQAttentionConfig | None = None,
+                   centering: KeyCentering | None = None) -> list[dict]:
     """Launch every kernel variant a serving engine reaches once, so Triton compiles them at start-up
     and not inside the first requests. Returns the launches made (their plan parameters).
 
@@ -606,18 +757,26 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     prefill, prefix hits) every (query block size, one-block) shape the query length can select,
     split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
     run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
-    its never-read null block) of ``cache`` and reads only it: call before serving."""
+    its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
+    the centred variants (two store passes, the sums launch, centred attention) are compiled instead."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
     if not 0 <= block_id < cache.shape[0]:
         raise ValueError(f"block_id {block_id} outside the cache's {cache.shape[0]} blocks")
     zeros = torch.zeros(bs, num_kv_heads, d, dtype=dtype, device=dev)
-    tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
+    block_table = torch.full((1, 1), block_id, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), bs, dtype=torch.int32, device=dev)
+    sums = None
+    if centering is not None:
+        sums = new_center_sums(1, num_kv_heads, centering, dev)
+        tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout, centering=centering,
+                 query_start_loc=torch.tensor([0, bs], dtype=torch.int32, device=dev), seq_lens=seq_lens,
+                 block_table=block_table, center_sums=sums)
+    else:
+        tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
     launches = [dict(kernel="store")]
     plan = TQAttentionPlan(layout, num_q_heads, num_kv_heads, dev, workspace_bytes=2 * (d + 1) * 4 * num_q_heads * 160,
                            config=config)
-    block_table = torch.full((1, 1), block_id, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((1,), bs, dtype=torch.int32, device=dev)
     shapes: dict[tuple[int, bool], int] = {}
     if "context" in paths:
         # The first query length of every (block_m, one_qblock) the planner can choose.
@@ -634,7 +793,7 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
             plan.plan(block_table, seq_lens.new_tensor([0, qlen]), seq_lens, num_tokens=qlen, max_query_len=qlen,
                       max_seq_len=bs, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
                       num_splits=splits)
-            plan.run(q, cache, return_lse=not causal)
+            plan.run(q, cache, return_lse=not causal, centering=centering, center_sums=sums)
             launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
                                  num_splits=plan.num_splits))
     return launches
@@ -645,7 +804,8 @@ def tq_paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQLayo
                        max_seq_len: int, causal: bool = True, sliding_window: int | None = None,
                        softmax_scale: float | None = None, out: torch.Tensor | None = None,
                        return_lse: bool = False, num_splits: int | None = None,
-                       config: TQAttentionConfig | None = None):
+                       config: TQAttentionConfig | None = None, centering: KeyCentering | None = None,
+                       center_sums: torch.Tensor | None = None):
     """One-shot ``TQAttentionPlan(...).plan(...).run(...)`` (allocates a workspace; for tests and one-off calls).
 
     q [Tq, Hq, d]; cache [num_blocks, Hkv, head_page_bytes] uint8; returns out [Tq, Hq, d]
@@ -657,12 +817,13 @@ def tq_paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQLayo
     plan.plan(block_table, query_start_loc, seq_lens, num_tokens=tq, max_query_len=max_query_len,
               max_seq_len=max_seq_len, causal=causal, sliding_window=sliding_window,
               softmax_scale=softmax_scale, num_splits=num_splits)
-    return plan.run(q, cache, out=out, return_lse=return_lse)
+    return plan.run(q, cache, out=out, return_lse=return_lse, centering=centering, center_sums=center_sums)
 
 
 def tq_paged_attention_ref(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *, causal: bool = True,
-                           sliding_window: int | None = None, softmax_scale: float | None = None):
+                           sliding_window: int | None = None, softmax_scale: float | None = None,
+                           centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None):
     """Reference: gather pages per request, dequantize with the references, naive float64 softmax
     attention with the same masking. Returns out (q.dtype, rows outside the requests zero) and
     lse [Hq, Tq] float32 (-inf for rows that see no token)."""
@@ -678,7 +839,8 @@ def tq_paged_attention_ref(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQ
         nq = q1 - q0
         if nq <= 0 or n <= 0:
             continue
-        k, v = dequant_cached_ref(cache, layout, block_table[r], n)
+        k, v = dequant_cached_ref(cache, layout, block_table[r], n, centering=centering,
+                                  center_sums_row=None if centering is None else center_sums[r])
         k = k.double().repeat_interleave(g, dim=1)  # [n, Hq, d]
         v = v.double().repeat_interleave(g, dim=1)
         pos = torch.arange(nq, device=q.device) + (n - nq if causal else n)
@@ -724,7 +886,8 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
 
 def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, cu_seq_lens: torch.Tensor, out_k: torch.Tensor,
-                      out_v: torch.Tensor, *, max_seq_len: int, block_n: int = 32):
+                      out_v: torch.Tensor, *, max_seq_len: int, block_n: int = 32,
+                      centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None):
     """Dequantize cached tokens 0..seq_lens[r]-1 of every request into dense rows
     ``cu_seq_lens[r] + t`` of ``out_k``/``out_v`` [N, Hkv, d] (fp16/bf16/fp32, preallocated: the
     caller bounds N, e.g. by a fixed workspace and a chunked loop). No host synchronization."""
@@ -734,6 +897,11 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
         if o.dim() != 3 or o.shape[1:] != (num_kv_heads, layout.head_dim) or o.stride(-1) != 1:
             raise ValueError(f"{name} must be [N, {num_kv_heads}, {layout.head_dim}] with a contiguous last dim")
     num_reqs = block_table.shape[0]
+    if centering is not None:
+        _check_centering(centering, layout)
+        if center_sums is None:
+            raise ValueError("key centering needs the center_sums that the store wrote")
+        _check_sums(center_sums, num_reqs, num_kv_heads, centering)
     if num_reqs == 0 or max_seq_len <= 0:
         return out_k, out_v
     kt, vt = _layout_tables(layout, cache.device)
@@ -744,18 +912,24 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], vc.rot_hi, vc.rot_lo, vc.centroids[0],
         vc.centroids[-1], out_k, out_k.stride(0), out_k.stride(1), out_v, out_v.stride(0), out_v.stride(1),
         kc.rot_scale, vc.rot_scale,
+        *((center_sums, center_sums.stride(0), center_sums.stride(1), centering.page_cos, centering.page_sin,
+           centering.num_pages) if centering is not None else (f16, 0, 0, f16, f16, 1)),
         D=layout.head_dim, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8, BN=block_n, num_warps=4,
+        CENTER=centering is not None, ROT_HALF=centering.rot_half if centering is not None else 0,
+        NEOX=centering.neox if centering is not None else True,
         **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
     )
     return out_k, out_v
 
 
 def tq_gather_dequant_ref(cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
-                          seq_lens: torch.Tensor):
+                          seq_lens: torch.Tensor, *, centering: KeyCentering | None = None,
+                          center_sums: torch.Tensor | None = None):
     """Reference: concatenated dequantized K, V [sum(seq_lens), Hkv, d] float32."""
     ks, vs = [], []
     for r, n in enumerate(seq_lens.tolist()):
-        k, v = dequant_cached_ref(cache, layout, block_table[r], n)
+        k, v = dequant_cached_ref(cache, layout, block_table[r], n, centering=centering,
+                                  center_sums_row=None if centering is None else center_sums[r])
         ks.append(k)
         vs.append(v)
     return torch.cat(ks), torch.cat(vs)
@@ -763,8 +937,9 @@ def tq_gather_dequant_ref(cache: torch.Tensor, layout: PagedTQLayout, block_tabl
 
 __all__ = [
     "ATTENTION_HEAD_DIMS", "FP8_MAX", "PagedTQLayout", "TQAttentionConfig", "TQAttentionPlan", "allocate_kv_cache",
-    "attention_coordinate_order", "default_attention_config", "dequant_cached_ref", "kv_cache_shape",
-    "merge_attn_states", "page_bytes_per_block", "paged_layout", "read_cached_tokens", "read_slots",
+    "attention_coordinate_order", "center_sums_ref", "default_attention_config", "dequant_cached_ref",
+    "kv_cache_shape", "merge_attn_states", "new_center_sums", "page_bytes_per_block", "paged_layout",
+    "read_cached_tokens", "read_slots", "tq_key_center_sums",
     "tq_gather_dequant", "tq_gather_dequant_ref", "tq_paged_attention", "tq_paged_attention_ref", "tq_store",
     "tq_store_ref", "warmup_kernels",
 ]

@@ -50,7 +50,8 @@ class Variant:
     k_bits: float
     v_bits: float = 4
     k_smooth: str | None = None  # None | "weights" | "window" | "prefix"
-    k_center: str | None = None  # None | "window" | "prefix" | "prerope-prefix" | "prerope-window"
+    k_center: str | None = None  # None | "window" | "prefix" | "prerope-prefix" | "prerope-window" | "prerope-page0"
+    page: int = 16  # "prerope-page0": tokens < page stored plain, mu_pre from their decoded keys 1..page-1
     sink: int = 0  # first tokens kept in full precision (K, and V unless sink_keys_only)
     sink_keys_only: bool = False
     prefix: int = 64  # tokens 1..prefix give the causal ("prefix") estimates
@@ -65,7 +66,9 @@ class Variant:
             parts.append("0 (s folded into W_q/W_k)")
         elif self.k_smooth:
             parts.append(f"{d} B/seq/layer/kv-head (s, d/2 fp16)")
-        if self.k_center:
+        if self.k_center in ("prerope-page0", "prerope-page0-paged"):
+            parts.append("0 (mu_k before RoPE: recomputed from the first page)")
+        elif self.k_center:
             parts.append(f"{2 * d} B/seq/layer/kv-head (mu_k{' before RoPE' if 'prerope' in self.k_center else ''})")
         if self.sink:
             what, per = ("K", 2 * d) if self.sink_keys_only else ("K,V", 4 * d)
@@ -101,6 +104,9 @@ def variant_table(preset_bits: dict[str, float]) -> dict[str, Variant]:
                 kb, sink=1, sink_keys_only=True, k_center="prerope-prefix"),
             "sink 4 + K center pre-RoPE (prefix)": Variant(kb, sink=4, k_center="prerope-prefix"),
             "sink 1 + K center pre-RoPE (prefix 1-16)": Variant(kb, sink=1, k_center="prerope-prefix", prefix=16),
+            "K center pre-RoPE (page 0 of 16 plain)": Variant(kb, k_center="prerope-page0", page=16),
+            "K center pre-RoPE, page-constant (page 0 of 16 plain)": Variant(
+                kb, k_center="prerope-page0-paged", page=16),
             "sink 1 + K center pre-RoPE (prefix) + V smooth (weights)": Variant(
                 kb, sink=1, k_center="prerope-prefix", v_smooth="weights"),
             "sink 1 + K center pre-RoPE (prefix) + V center (prefix)": Variant(
@@ -210,6 +216,27 @@ def make_fns(v: Variant, d: int, wstats: dict, win: dict, quantizers: dict):
         k_pre = win["k_pre"]
         mu_pre = (k_pre[:, prefix] if v.k_center == "prerope-prefix" else k_pre).mean(1, keepdim=True)
         mu = apply_rope(mu_pre.expand_as(k_pre), win["cos"], win["sin"])  # [Hkv, T, d]
+    elif v.k_center in ("prerope-page0", "prerope-page0-paged"):
+        # The serving layout: the first page (tokens < page) is encoded plain; mu_pre is the mean of its
+        # decoded keys 1..page-1 rotated back by RoPE, so it is a function of the first page's bytes alone.
+        cos, sin = win["cos"], win["sin"]
+        k0 = kq.dequantize(kq.quantize(k_all[:, 1:v.page].float()))
+        inv = apply_rope(k0, cos[1:v.page], -sin[1:v.page])  # R_j^-1 = R_j with sin negated
+        mu_pre = inv.mean(1, keepdim=True)
+        if v.k_center == "prerope-page0":
+            mu = apply_rope(mu_pre.expand_as(k_all), cos, sin)
+        else:
+            # One centre per page: RoPE_m(mu_pre) at the page's middle m, each pair shrunk by
+            # rho_f = |mean over the page of e^{i t theta_f}| (the least-squares constant for that pair).
+            h, P, T = d // 2, v.page, k_all.shape[1]
+            theta = torch.atan2(sin[1, :h].double(), cos[1, :h].double())
+            rho = torch.sin(P * theta / 2) / (P * torch.sin(theta / 2))
+            mid = (torch.arange(T, dtype=torch.float64) // P) * P + (P - 1) / 2
+            ang = mid[:, None] * theta[None, :]
+            c = torch.cat([torch.cos(ang), torch.cos(ang)], -1).float()
+            s_ = torch.cat([torch.sin(ang), torch.sin(ang)], -1).float()
+            mu = apply_rope(mu_pre.expand_as(k_all) * torch.cat([rho, rho]).float(), c, s_)
+        mu[:, : v.page] = 0.0
     elif v.k_center == "window":
         mu = k_all.mean(1, keepdim=True)
     elif v.k_center == "prefix":

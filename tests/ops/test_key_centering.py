@@ -1,0 +1,341 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Key centering anchored in the first page: tables, sums, centred store, attention and gather-dequant
+against the plain-torch references, plus the properties serving relies on (chunking does not change the
+stored bytes; keys with a shared pre-RoPE component come back closer to the truth).
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes stay small.
+"""
+
+import math
+
+import pytest
+import torch
+
+from turboquant_core.ops.key_centering import (
+    center_sums_from_keys_ref,
+    center_vectors_ref,
+    key_centering_tables,
+    request_positions,
+    rope_theta_from_cos_sin_cache,
+    token_centers_ref,
+)
+from turboquant_core.ops.paged import (
+    center_sums_ref,
+    dequant_cached_ref,
+    new_center_sums,
+    paged_layout,
+    read_cached_tokens,
+    tq_gather_dequant,
+    tq_gather_dequant_ref,
+    tq_key_center_sums,
+    tq_paged_attention,
+    tq_paged_attention_ref,
+    tq_store,
+    tq_store_ref,
+)
+
+BLOCK = 16
+OUT_ATOL, OUT_RTOL, LSE_ATOL, LSE_RTOL = 2e-2, 1e-2, 1e-3, 5e-4
+
+
+def _theta(rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    return base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: torch.Tensor, neox: bool) -> torch.Tensor:
+    """RoPE of x [n, ..., d] at positions [n] (the first 2 * len(theta) channels rotate)."""
+    h = theta.numel()
+    ang = pos.double()[:, None] * theta[None, :]
+    shape = (pos.shape[0],) + (1,) * (x.dim() - 2) + (h,)
+    c, s = torch.cos(ang).view(shape), torch.sin(ang).view(shape)
+    x = x.double().clone()
+    if neox:
+        a, b = x[..., :h].clone(), x[..., h:2 * h].clone()
+        x[..., :h], x[..., h:2 * h] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., 0:2 * h:2].clone(), x[..., 1:2 * h:2].clone()
+        x[..., 0:2 * h:2], x[..., 1:2 * h:2] = a * c - b * s, b * c + a * s
+    return x
+
+
+def _keys_with_shared_component(n, hkv, d, theta, neox, g, mean_scale=3.0):
+    """Post-RoPE keys whose pre-RoPE form is a per-head constant (norm ~ mean_scale * noise) + noise."""
+    mu_pre = torch.randn(hkv, d, generator=g, dtype=torch.float64) * mean_scale
+    pre = mu_pre[None] + torch.randn(n, hkv, d, generator=g, dtype=torch.float64)
+    return _rope(pre, torch.arange(n), theta, neox)
+
+
+class _Batch:
+    """Requests stored step by step through tq_store, as a serving engine does (prefill chunks, then decode)."""
+
+    def __init__(self, name, d, hkv, seq_lens, steps, device, *, neox=True, rot_dim=None, seed=0,
+                 centering=True, mean_scale=3.0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.lay = paged_layout(name, d, BLOCK)
+        rot_dim = rot_dim or d
+        self.theta = _theta(rot_dim)
+        self.cent = key_centering_tables(self.theta, d, BLOCK, 4096, neox=neox, device=device) if centering else None
+        r = len(seq_lens)
+        maxb = max(-(-s // BLOCK) for s in seq_lens) + 1
+        nb = r * maxb + 2
+        self.bt = torch.randperm(nb, generator=g)[: r * maxb].view(r, maxb).to(torch.int32).to(device)
+        self.cache = torch.randint(0, 256, (nb, hkv, self.lay.head_page_bytes), generator=g,
+                                   dtype=torch.uint8).to(device)
+        self.k = [_keys_with_shared_component(s, hkv, d, self.theta, neox, g, mean_scale).to(torch.bfloat16)
+                  for s in seq_lens]
+        self.v = [torch.randn(s, hkv, d, generator=g).to(torch.bfloat16) for s in seq_lens]
+        self.seq_lens, self.device, self.hkv, self.d = list(seq_lens), device, hkv, d
+        self.sums = new_center_sums(r, hkv, self.cent, device) if centering else None
+        done = [0] * r
+        for step in steps:  # tokens per request in this step
+            self.store_step(step, done)
+        assert not steps or done == self.seq_lens, "the steps must store every token"
+
+    def step_args(self, step, done):
+        dev = self.device
+        counts = [min(n, s - c) for n, s, c in zip(step, self.seq_lens, done)]
+        ks, vs, slots = [], [], []
+        for i, n in enumerate(counts):
+            t = torch.arange(done[i], done[i] + n)
+            ks.append(self.k[i][t])
+            vs.append(self.v[i][t])
+            slots.append(self.bt[i].cpu().long()[t // BLOCK] * BLOCK + t % BLOCK)
+        qsl = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        sl = torch.tensor([c + n for c, n in zip(done, counts)], dtype=torch.int32, device=dev)
+        return (torch.cat(ks).to(dev), torch.cat(vs).to(dev), torch.cat(slots).to(dev), qsl, sl, counts)
+
+    def store_step(self, step, done, ref=False):
+        k, v, slots, qsl, sl, counts = self.step_args(step, done)
+        fn = tq_store_ref if ref else tq_store
+        if self.cent is None:
+            fn(k, v, self.cache, slots, self.lay)
+        else:
+            fn(k, v, self.cache, slots, self.lay, centering=self.cent, query_start_loc=qsl, seq_lens=sl,
+               block_table=self.bt, center_sums=self.sums)
+        for i, n in enumerate(counts):
+            done[i] += n
+
+    def seq_lens_t(self):
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# tables and reference math
+# ----------------------------------------------------------------------------------------------
+
+
+def test_theta_from_a_vllm_style_cos_sin_cache():
+    theta = _theta(64, 500000.0)
+    t = torch.arange(300, dtype=torch.float64)[:, None] * theta[None, :]
+    cache = torch.cat([torch.cos(t), torch.sin(t)], dim=1) * 1.25  # a YaRN-style magnitude
+    assert torch.allclose(rope_theta_from_cos_sin_cache(cache.float()), theta, atol=1e-6)
+    # vLLM computes its cache in fp32 (t * theta rounded): still recognized at 40k positions
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    f32 = torch.outer(torch.arange(40960, dtype=torch.float32), inv)
+    got = rope_theta_from_cos_sin_cache(torch.cat([f32.cos(), f32.sin()], 1))
+    assert torch.allclose(got, inv.double(), rtol=1e-6, atol=1e-9)
+    bad = cache.clone()
+    bad[200:, :32] *= 0.5  # not a plain rotation
+    with pytest.raises(ValueError, match="not cos/sin"):
+        rope_theta_from_cos_sin_cache(bad)
+
+
+def test_tables_first_page_is_plain_and_slow_pairs_keep_the_mean():
+    theta = _theta(48)  # partial rotary: 48 of 64 dims
+    c = key_centering_tables(theta, 64, BLOCK, 1000, neox=True)
+    assert c.page_cos.shape == (math.ceil(1000 / BLOCK) + 1, 64) and c.pos_cos.shape == (BLOCK, 64)
+    assert (c.page_cos[0] == 0).all() and (c.page_sin[0] == 0).all()
+    # unrotated channels: centre = mu; fast pair 0 (1 rad/token) is shrunk to |rho| = 0.13, slow pairs ~1
+    assert (c.page_cos[1:, 48:] == 1).all() and (c.page_sin[1:, 48:] == 0).all()
+    rho = torch.sqrt(c.page_cos[1:, :24] ** 2 + c.page_sin[1:, :24] ** 2)
+    assert rho[:, 0].max() < 0.14 and rho[:, 23].min() > 0.99
+    with pytest.raises(ValueError, match="block size"):
+        key_centering_tables(theta, 64, 24, 1000)
+    with pytest.raises(ValueError, match="do not fit"):
+        key_centering_tables(_theta(80), 64, BLOCK, 1000)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_sums_give_back_the_pre_rope_mean(neox):
+    """First-page keys that are exactly RoPE_t(mu) give mu back, and a page's centre is RoPE of the
+    shrunk mean at its middle (exact for a pair that does not turn)."""
+    d, theta = 64, _theta(64)
+    c = key_centering_tables(theta, d, BLOCK, 512, neox=neox)
+    mu = torch.randn(3, d, dtype=torch.float64)
+    keys = _rope(mu[None].expand(BLOCK, 3, d), torch.arange(BLOCK), theta, neox).transpose(0, 1)
+    got, mup = center_vectors_ref(center_sums_from_keys_ref(keys, c), c)
+    torch.testing.assert_close(got[:, :d], mu, atol=1e-5, rtol=1e-5)
+    pos = torch.tensor([16, 40, 300])
+    cent = token_centers_ref(got.expand(3, 3, d), mup.expand(3, 3, d), pos, c)
+    mid = (pos // BLOCK) * BLOCK + (BLOCK - 1) / 2
+    h = theta.numel()
+    rho = torch.sin(BLOCK * theta / 2) / (BLOCK * torch.sin(theta / 2))
+    want = torch.stack([_rope((mu * (torch.cat([rho, rho]) if neox else rho.repeat_interleave(2)))[None], m[None],
+                              theta, neox)[0] for m in mid])
+    torch.testing.assert_close(cent, want, atol=1e-4, rtol=1e-4)
+    assert h == d // 2
+
+
+def test_request_positions():
+    qsl = torch.tensor([0, 1, 4, 4, 9])
+    sl = torch.tensor([7, 3, 5, 20])
+    pos = request_positions(qsl, sl, 11)
+    assert pos.tolist() == [6, 0, 1, 2, 15, 16, 17, 18, 19, -1, -1]
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels against the references
+# ----------------------------------------------------------------------------------------------
+
+SEQS = [40, 9, 70]
+STEPS = [[20, 9, 33], [20, 0, 35], [1, 0, 1], [1, 0, 1]]  # chunked prefill, then decode steps
+
+
+@pytest.mark.parametrize("name,d,neox,rot_dim", [
+    ("turboquant_k3v4_nc", 64, True, None),
+    ("turboquant_4bit_nc", 128, False, None),
+    ("turboquant_3p5bit_nc", 80, True, 64),
+])
+def test_sums_kernel_matches_reference(name, d, neox, rot_dim, device):
+    b = _Batch(name, d, 2, SEQS, STEPS, device, neox=neox, rot_dim=rot_dim)
+    sl = b.seq_lens_t()
+    got = tq_key_center_sums(b.cache, b.lay, b.cent, b.bt, sl, new_center_sums(3, 2, b.cent, device))
+    want = center_sums_ref(b.cache, b.lay, b.cent, b.bt, sl)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got[1] == 0).all()  # 9 tokens: first page not full, no centre yet
+    assert got[0].abs().max() > 1.0  # the shared component is found
+
+
+@pytest.mark.parametrize("name,d", [("turboquant_k3v4_nc", 64), ("turboquant_2p5bit_nc", 128)])
+def test_centred_store_matches_reference(name, d, device):
+    """Same steps through the kernels and through the references (given the kernel's sums): the same bytes."""
+    ref = _Batch(name, d, 2, SEQS, [], device)
+    ref.cache.copy_(torch.zeros_like(ref.cache))
+    b2 = _Batch(name, d, 2, SEQS, [], device)
+    b2.cache.copy_(torch.zeros_like(b2.cache))
+    done_k, done_r = [0] * 3, [0] * 3
+    for step in STEPS:
+        b2.store_step(step, done_k)
+        ref.sums = b2.sums.clone()
+        ref.store_step(step, done_r, ref=True)
+    for i, s in enumerate(SEQS):
+        got = read_cached_tokens(b2.cache, b2.lay, b2.bt[i], s)
+        want = read_cached_tokens(ref.cache, ref.lay, ref.bt[i], s)
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_, w_)
+
+
+def test_store_bytes_do_not_depend_on_chunking(device):
+    """Prefix caching and recomputation rely on it: one 70-token prefill and 70 single-token steps store
+    the same bytes, and the same sums."""
+    one = _Batch("turboquant_k3v4_nc", 64, 2, [70], [[70]], device, seed=3)
+    many = _Batch("turboquant_k3v4_nc", 64, 2, [70], [[1]] * 70, device, seed=3)
+    a = read_cached_tokens(one.cache, one.lay, one.bt[0], 70)
+    b = read_cached_tokens(many.cache, many.lay, many.bt[0], 70)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(one.sums, many.sums)
+
+
+def _check(out, lse, ref_out, ref_lse):
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    err = (lse[fin] - ref_lse[fin]).abs()
+    assert (err < LSE_ATOL + LSE_RTOL * ref_lse[fin].abs()).all(), err.max()
+
+
+@pytest.mark.parametrize("name,d,group,neox,splits,window", [
+    ("turboquant_k3v4_nc", 64, 4, True, 1, None),
+    ("turboquant_4bit_nc", 128, 2, False, 3, None),
+    ("turboquant_3bit_nc", 64, 3, True, 2, 33),
+])
+def test_centred_decode_attention_matches_reference(name, d, group, neox, splits, window, device):
+    b = _Batch(name, d, 2, SEQS, STEPS, device, neox=neox)
+    sl = b.seq_lens_t()
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q = (torch.randn(3, 2 * group, d, generator=g) * 0.5).to(device, torch.bfloat16)
+    qsl = torch.arange(4, dtype=torch.int32, device=device)
+    out, lse = tq_paged_attention(q, b.cache, b.lay, b.bt, qsl, sl, max_query_len=1, max_seq_len=max(SEQS),
+                                  num_splits=splits, sliding_window=window, return_lse=True,
+                                  centering=b.cent, center_sums=b.sums)
+    sums_ref = center_sums_ref(b.cache, b.lay, b.cent, b.bt, sl)
+    ref_out, ref_lse = tq_paged_attention_ref(q, b.cache, b.lay, b.bt, qsl, sl, sliding_window=window,
+                                              centering=b.cent, center_sums=sums_ref)
+    _check(out, lse, ref_out, ref_lse)
+    # without the centre's logits the result is far off: the term matters at these magnitudes
+    plain_out, _ = tq_paged_attention_ref(q, b.cache, b.lay, b.bt, qsl, sl, sliding_window=window)
+    assert (plain_out.float() - ref_out.float()).abs().max() > 10 * OUT_ATOL
+
+
+def test_centred_context_attention_matches_reference(device):
+    """Queries of a prefill chunk after cached context (non-causal over it), 128-token tiles over pages."""
+    b = _Batch("turboquant_k3v4_nc", 64, 2, [150, 30], [[150, 30]], device)
+    sl = b.seq_lens_t()
+    g = torch.Generator(device="cpu").manual_seed(2)
+    nq = [5, 2]
+    q = (torch.randn(sum(nq), 4, 64, generator=g) * 0.5).to(device, torch.bfloat16)
+    qsl = torch.tensor([0, 5, 7], dtype=torch.int32, device=device)
+    out, lse = tq_paged_attention(q, b.cache, b.lay, b.bt, qsl, sl, max_query_len=5, max_seq_len=150,
+                                  causal=False, num_splits=2, return_lse=True, centering=b.cent,
+                                  center_sums=b.sums)
+    ref_out, ref_lse = tq_paged_attention_ref(q, b.cache, b.lay, b.bt, qsl, sl, causal=False, centering=b.cent,
+                                              center_sums=center_sums_ref(b.cache, b.lay, b.cent, b.bt, sl))
+    _check(out, lse, ref_out, ref_lse)
+
+
+def test_centred_gather_dequant_matches_reference(device):
+    b = _Batch("turboquant_k3v4_nc", 64, 2, SEQS, STEPS, device)
+    sl = b.seq_lens_t()
+    cu = torch.tensor([0] + torch.tensor(SEQS).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    ok = torch.empty(sum(SEQS), 2, 64, device=device)
+    ov = torch.empty_like(ok)
+    tq_gather_dequant(b.cache, b.lay, b.bt, sl, cu, ok, ov, max_seq_len=max(SEQS), centering=b.cent,
+                      center_sums=b.sums)
+    rk, rv = tq_gather_dequant_ref(b.cache, b.lay, b.bt, sl, centering=b.cent, center_sums=b.sums)
+    torch.testing.assert_close(ok, rk, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(ov, rv, atol=2e-4, rtol=2e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# what it is for
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
+def test_centring_brings_keys_with_a_shared_component_closer(name, device):
+    """Keys whose pre-RoPE form shares a component 3x the noise: after the first page, the centred cache's
+    keys are at least 2x closer (squared error) to the true keys than the plain cache's."""
+    seqs, steps = [200, 120], [[200, 120]]
+    cen = _Batch(name, 64, 2, seqs, steps, device, seed=5)
+    plain = _Batch(name, 64, 2, seqs, steps, device, seed=5, centering=False)
+    err = {"centred": 0.0, "plain": 0.0}
+    for i, s in enumerate(seqs):
+        kc, _ = dequant_cached_ref(cen.cache, cen.lay, cen.bt[i], s, centering=cen.cent, center_sums_row=cen.sums[i])
+        kp, _ = dequant_cached_ref(plain.cache, plain.lay, plain.bt[i], s)
+        true = cen.k[i].float().to(device)
+        err["centred"] += ((kc - true)[BLOCK:] ** 2).sum().item()
+        err["plain"] += ((kp - true)[BLOCK:] ** 2).sum().item()
+    assert err["centred"] < 0.5 * err["plain"], err
+
+
+def test_centring_rejects_bad_input(device):
+    b = _Batch("turboquant_k3v4_nc", 64, 2, [20], [[20]], device)
+    k, v, slots, qsl, sl, _ = b.step_args([1], [19])
+    with pytest.raises(ValueError, match="needs query_start_loc"):
+        tq_store(k, v, b.cache, slots, b.lay, centering=b.cent)
+    fp8 = paged_layout("turboquant_k8v4", 64, BLOCK)
+    with pytest.raises(ValueError, match="fp8 keys"):
+        tq_store(k, v, torch.zeros(4, 2, fp8.head_page_bytes, dtype=torch.uint8, device=device), slots, fp8,
+                 centering=b.cent, query_start_loc=qsl, seq_lens=sl, block_table=b.bt, center_sums=b.sums)
+    other = key_centering_tables(_theta(64), 64, 32, 100, device=device)
+    with pytest.raises(ValueError, match="do not match"):
+        tq_store(k, v, b.cache, slots, b.lay, centering=other, query_start_loc=qsl, seq_lens=sl,
+                 block_table=b.bt, center_sums=b.sums)
+    with pytest.raises(ValueError, match="center_sums must be"):
+        tq_store(k, v, b.cache, slots, b.lay, centering=b.cent, query_start_loc=qsl, seq_lens=sl,
+                 block_table=b.bt, center_sums=torch.zeros(1, 2, 2, 32, device=device))
+    with pytest.raises(ValueError, match="center_sums that the store wrote"):
+        tq_paged_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=device), b.cache, b.lay, b.bt,
+                           torch.tensor([0, 1], dtype=torch.int32, device=device), sl, max_query_len=1,
+                           max_seq_len=20, centering=b.cent)
