@@ -201,6 +201,24 @@ def test_cli_prefill_chunk(tiny_model_dir, tmp_path, capsys):
     assert report["tokens_scored"] == 2 * (47 - 16) and report["presets"][0]["tokens"] == 2 * 31
 
 
+def test_cli_key_centering(tiny_model_dir, tmp_path):
+    """--key-centering stores keys as the patched vLLM does; on 48-token windows (16 plain, 32 centred) the
+    3-bit-key scores move and the report says so."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    kls = {}
+    for flag in ((), ("--key-centering",)):
+        out = tmp_path / f"ppl{len(flag)}.json"
+        rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets",
+                                "turboquant_k3v4_nc", "--window", "48", "--windows", "2", "--device", "cpu",
+                                "--json", str(out), "--no-progress", *flag))
+        assert rc == 0
+        report = json.loads(out.read_text())
+        assert report["key_centering"] == bool(flag)
+        kls[bool(flag)] = report["presets"][0]["kl_per_token"]
+    assert kls[True] != kls[False] and all(math.isfinite(v) for v in kls.values())
+
+
 def test_cli_bad_input_is_a_clear_error(tiny_model_dir, capsys):
     assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--presets", "turboquant_5bit")) == 2
     assert "valid formats" in capsys.readouterr().err

@@ -342,3 +342,82 @@ def test_default_prefill_is_full_precision_then_decode_reads_compressed(model):
     assert float((got_next - ref_next).abs().max()) > 0  # compressed history
     for layer, stored in zip(cache.layers, cache.stored_tokens()):
         assert stored == (SLIDING_WINDOW - 1 if layer.is_sliding else 18)
+
+
+# ----------------------------------------------------------------------------------------------
+# key centering (the patched vLLM's default key encoding)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_keys(n, heads, d, theta, g, shared=3.0):
+    """Post-RoPE keys [1, H, n, d] (rotate-half) whose pre-RoPE form is a per-head constant + noise."""
+    pre = torch.randn(heads, 1, d, generator=g, dtype=torch.float64) * shared
+    pre = pre + torch.randn(heads, n, d, generator=g, dtype=torch.float64)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * theta[None, :]
+    cos, sin = torch.cos(ang).repeat(1, 2), torch.sin(ang).repeat(1, 2)
+    half = d // 2
+    rot = torch.cat([-pre[..., half:], pre[..., :half]], dim=-1)
+    return (pre * cos + rot * sin).float()[None]
+
+
+def test_key_centering_stores_the_serving_bytes_in_any_chunking():
+    """The cache's key bytes equal the paged store's (reference) with key centering, whether the 70 tokens
+    arrive at once or in pieces, and the decoded keys come back closer to the truth than without centering."""
+    from turboquant_core.integrations.transformers_cache import CompressedKVStore
+    from turboquant_core.ops.key_centering import key_centering_tables
+    from turboquant_core.ops.paged import paged_layout, read_cached_tokens, tq_store_ref
+
+    preset, d, heads, n = "turboquant_k3v4_nc", 64, 2, 70
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cent = key_centering_tables(theta, d, 16, 1024)
+    g = torch.Generator().manual_seed(0)
+    keys = _rope_keys(n, heads, d, theta, g)
+    values = torch.randn(1, heads, n, d, generator=g)
+    fmt = get_format(preset)
+
+    one = CompressedKVStore(fmt, d, centering=cent)
+    one.append(keys, values)
+    pieces = CompressedKVStore(fmt, d, centering=cent)
+    for a, b in ((0, 9), (9, 30), (30, 31), (31, 70)):
+        pieces.append(keys[:, :, a:b], values[:, :, a:b])
+    assert torch.equal(one.key_codes, pieces.key_codes) and torch.equal(one.key_scales, pieces.key_scales)
+
+    lay = paged_layout(preset, d, 16)
+    cache = torch.zeros(5, heads, lay.head_page_bytes, dtype=torch.uint8)
+    bt = torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32)
+    tq_store_ref(keys[0].transpose(0, 1), values[0].transpose(0, 1), cache, torch.arange(n), lay, centering=cent,
+                 query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                 seq_lens=torch.tensor([n], dtype=torch.int32), block_table=bt)
+    k_idx, k_scale, _, _ = read_cached_tokens(cache, lay, bt[0], n)
+    assert torch.equal(one.key_codes[0].transpose(0, 1), k_idx)
+    assert torch.equal(one.key_scales[0].transpose(0, 1), k_scale)
+
+    plain = CompressedKVStore(fmt, d)
+    plain.append(keys, values)
+    err_c = (one.states(torch.float32)[0] - keys)[:, :, 16:].pow(2).sum()
+    err_p = (plain.states(torch.float32)[0] - keys)[:, :, 16:].pow(2).sum()
+    assert err_c < 0.5 * err_p
+
+
+def test_key_centering_in_the_cache_on_a_model(model):
+    """TurboQuantCache(key_centering=...) on every tiny model: generation runs, full-attention layers carry
+    the centre and sliding layers do not, cropping into the first page resets it, fp8 keys ignore it."""
+    from turboquant_core.integrations.transformers_cache import key_centering_for_model
+
+    cent = key_centering_for_model(model)
+    assert cent.head_dim == HEAD_DIM and cent.page == 16
+    cache = TurboQuantCache(model.config, preset="turboquant_k3v4_nc", key_centering=cent)
+    ids = _prompt(40)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        if isinstance(layer, TurboQuantSlidingWindowLayer):
+            assert layer.store.centering is None
+        else:
+            assert layer.store.center is not None
+    full = [layer for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+    for layer in full:  # (sliding layers past their window cannot crop at all)
+        layer.crop(10)
+    assert full and all(layer.store.center is None for layer in full)
+    fp8 = TurboQuantCache(model.config, preset="turboquant_k8v4", key_centering=cent)
+    assert fp8.key_centering is None

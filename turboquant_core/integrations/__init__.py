@@ -10,6 +10,7 @@ _EXPORTS = {
     "TurboQuantCache": "transformers_cache",
     "TurboQuantLayer": "transformers_cache",
     "TurboQuantSlidingWindowLayer": "transformers_cache",
+    "key_centering_for_model": "transformers_cache",
     "load_model": "models",
     "add_eval_ppl_arguments": "perplexity",
     "run_eval_ppl": "perplexity",

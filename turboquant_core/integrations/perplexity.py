@@ -193,13 +193,15 @@ def _kv_bytes(cache) -> int:
 
 @torch.no_grad()
 def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, skip_layers=(), residual_tokens: int = 0,
-                        prefill_chunk: int = 0, progress: bool = True) -> tuple[CacheScore, list[CacheScore]]:
+                        prefill_chunk: int = 0, progress: bool = True,
+                        key_centering=None) -> tuple[CacheScore, list[CacheScore]]:
     """Baseline and per-preset scores for ``windows`` [n, window] (see module docstring).
 
     ``prefill_chunk``: 0 scores every position of one decode-faithful forward per window; N > 0 feeds
     each window to the presets in chunks of N tokens (``fresh_full_precision`` cache) and scores, for
     every cache, only the predictions made at query positions N .. window - 2 (targets N + 1 ..
-    window - 1). Valid: 0 or 1 .. window - 2.
+    window - 1). Valid: 0 or 1 .. window - 2. ``key_centering``: tables from
+    ``transformers_cache.key_centering_for_model`` (the patched vLLM's key encoding), or None.
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -232,7 +234,8 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
         bar.update(1)
         for score in scores:
             cache = TurboQuantCache(model.config, preset=score.name, skip_layers=skip_layers,
-                                    residual_tokens=residual_tokens, fresh_full_precision=prefill_chunk > 0)
+                                    residual_tokens=residual_tokens, fresh_full_precision=prefill_chunk > 0,
+                                    key_centering=key_centering)
             if prefill_chunk == 0:
                 logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1]
             else:
@@ -324,6 +327,10 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--key-smoothing", action="store_true",
                         help="fold weight-derived key smoothing into the model first (data-free, logits unchanged; "
                              "see turboquant_core.integrations.key_smoothing)")
+    parser.add_argument("--key-centering", action="store_true",
+                        help="store keys as the patched vLLM does by default (TQ_KEY_CENTERING=1): the first 16 "
+                             "tokens plain, later keys minus their page's share of the pre-RoPE key mean derived "
+                             "from those (see turboquant_core.ops.key_centering); MSE-key presets only")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -357,6 +364,11 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
         from .key_smoothing import apply_key_smoothing
 
         apply_key_smoothing(loaded.model)
+    key_centering = None
+    if args.key_centering:
+        from .transformers_cache import key_centering_for_model
+
+        key_centering = key_centering_for_model(loaded.model)
     windows = token_windows(loaded.tokenizer, text, args.window, args.windows or None)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
@@ -367,7 +379,7 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
     t1, cpu1 = time.perf_counter(), time.process_time()
     baseline, scores = evaluate_perplexity(loaded.model, windows, presets, skip_layers=skip_layers,
                                            residual_tokens=args.residual_tokens, prefill_chunk=prefill_chunk,
-                                           progress=not args.no_progress)
+                                           progress=not args.no_progress, key_centering=key_centering)
     eval_s, eval_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
     print(format_table(baseline, scores))
 
@@ -397,6 +409,7 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
             "skip_layers": skip_layers,
             "residual_tokens": args.residual_tokens,
             "key_smoothing": bool(args.key_smoothing),
+            "key_centering": bool(args.key_centering),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),

@@ -33,6 +33,11 @@ Two attention modes:
 
 On CUDA the fused Triton codec (``turboquant_core.ops.codec.encode/decode``) is used; elsewhere the
 plain-torch references, which produce the same bytes.
+
+``key_centering`` (``turboquant_core.ops.key_centering``, the encoding the patched vLLM serves): on
+full-attention layers with MSE keys the first ``page`` compressed tokens are stored plain, the pre-RoPE key
+mean is derived from their decoded keys, and later keys are stored minus their page's centre and read back
+with it added; ``key_centering_for_model(model)`` builds the tables from the model's rotary embedding.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ from transformers.cache_utils import (
 )
 
 from ..formats import ComponentFormat, KVFormat, get_format
+from ..ops.key_centering import (
+    KeyCentering,
+    center_sums_from_keys_ref,
+    center_vectors_ref,
+    key_centering_tables,
+)
 from ..quantizer import FP8Quantizer
 from ..rotation import SUPPORTED_HEAD_DIMS
 
@@ -122,9 +133,16 @@ class CompressedKVStore:
     _COMPRESSED = ("key_codes", "key_scales", "value_codes", "value_scales")
     _RECENT = ("recent_keys", "recent_values")
 
-    def __init__(self, kv_format: KVFormat, head_dim: int, residual_tokens: int = 0):
+    def __init__(self, kv_format: KVFormat, head_dim: int, residual_tokens: int = 0,
+                 centering: KeyCentering | None = None):
         check_cache_head_dim(head_dim, kv_format.name)
         self.kv_format, self.head_dim, self.residual_tokens = kv_format, head_dim, residual_tokens
+        if centering is not None and (kv_format.key.kind == "fp8" or centering.head_dim != head_dim):
+            raise ValueError(f"key centering needs MSE keys of head_dim {centering.head_dim}; got "
+                             f"{kv_format.name} at head_dim {head_dim}")
+        self.centering = centering
+        # (mu, mup) [B, H, dim_pad] float64 once the first page is stored (key centering only)
+        self.center: tuple[torch.Tensor, torch.Tensor] | None = None
         self.key_codes: torch.Tensor | None = None  # uint8 [B, H, T, key index bytes]
         self.key_scales: torch.Tensor | None = None  # fp16 [B, H, T] (None for fp8 keys)
         self.value_codes: torch.Tensor | None = None
@@ -172,13 +190,41 @@ class CompressedKVStore:
 
     def _compress(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         f = self.kv_format
-        k_codes, k_scales = encode_component(f.key, keys, f.key_seed)
+        p0 = self.compressed_tokens
+        plain = keys.shape[2] if self.centering is None else max(min(self.centering.page - p0, keys.shape[2]), 0)
         v_codes, v_scales = encode_component(f.value, values, f.value_seed)
-        for name, new in zip(self._COMPRESSED, (k_codes, k_scales, v_codes, v_scales)):
-            if new is None:
+        self._append_codes(("value_codes", "value_scales"), (v_codes, v_scales))
+        if plain:
+            self._append_codes(("key_codes", "key_scales"), encode_component(f.key, keys[:, :, :plain], f.key_seed))
+        if plain < keys.shape[2]:  # key centering: tokens after the first page, minus their page's centre
+            if self.center is None:
+                self.center = self._first_page_center()
+            pos = torch.arange(p0 + plain, p0 + keys.shape[2], device=keys.device)
+            rest = keys[:, :, plain:].double() - self._centers(pos)
+            self._append_codes(("key_codes", "key_scales"), encode_component(f.key, rest.float(), f.key_seed))
+
+    def _append_codes(self, names: tuple[str, str], new: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        for name, t in zip(names, new):
+            if t is None:
                 continue
             old = getattr(self, name)
-            setattr(self, name, new.contiguous() if old is None else torch.cat([old, new], dim=2))
+            setattr(self, name, t.contiguous() if old is None else torch.cat([old, t], dim=2))
+
+    def _first_page_center(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu, mup) from the decoded keys of the first page (stored plain)."""
+        c, f = self.centering, self.kv_format
+        first = decode_component(f.key, self.key_codes[:, :, : c.page], self.key_scales[:, :, : c.page],
+                                 self.head_dim, f.key_seed, torch.float32)
+        return center_vectors_ref(center_sums_from_keys_ref(first, c), c)
+
+    def _centers(self, positions: torch.Tensor) -> torch.Tensor:
+        """Centres [B, H, n, D] float64 of compressed tokens at ``positions`` [n] (zero on the first page)."""
+        c = self.centering
+        mu, mup = self.center
+        pg = (positions.long() // c.page).clamp_max(c.num_pages - 1)
+        pc = c.page_cos.to(mu.device, torch.float64)[pg]
+        ps = c.page_sin.to(mu.device, torch.float64)[pg]
+        return (mu[:, :, None, :] * pc + mup[:, :, None, :] * ps)[..., : self.head_dim]
 
     # -- reads -----------------------------------------------------------------------------------
     def states(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +232,12 @@ class CompressedKVStore:
         f, d = self.kv_format, self.head_dim
         keys, values = [], []
         if self.compressed_tokens:
-            keys.append(decode_component(f.key, self.key_codes, self.key_scales, d, f.key_seed, dtype))
+            if self.center is not None:
+                k = decode_component(f.key, self.key_codes, self.key_scales, d, f.key_seed, torch.float32)
+                pos = torch.arange(self.compressed_tokens, device=k.device)
+                keys.append((k.double() + self._centers(pos)).to(dtype))
+            else:
+                keys.append(decode_component(f.key, self.key_codes, self.key_scales, d, f.key_seed, dtype))
             values.append(decode_component(f.value, self.value_codes, self.value_scales, d, f.value_seed, dtype))
         if self.recent_tokens:
             keys.append(self.recent_keys.to(dtype))
@@ -201,6 +252,8 @@ class CompressedKVStore:
         drop = self.tokens - max(n, 0)
         if drop <= 0:
             return
+        if self.centering is not None:
+            raise RuntimeError("key centering needs the first page: a store that drops its oldest tokens has none")
         from_compressed = min(drop, self.compressed_tokens)
         self._slice(self._COMPRESSED, from_compressed, self.compressed_tokens)
         self._slice(self._RECENT, drop - from_compressed, self.recent_tokens)
@@ -211,6 +264,8 @@ class CompressedKVStore:
         from_recent = min(n, self.recent_tokens)
         self._slice(self._RECENT, 0, self.recent_tokens - from_recent)
         self._slice(self._COMPRESSED, 0, self.compressed_tokens - (n - from_recent))
+        if self.centering is not None and self.compressed_tokens < self.centering.page:
+            self.center = None  # the first page is incomplete again
 
     def _slice(self, names: tuple[str, ...], start: int, stop: int) -> None:
         for name in names:
@@ -225,10 +280,13 @@ class CompressedKVStore:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
+        if self.center is not None:
+            self.center = (fn(self.center[0]), fn(self.center[1]))
 
     def clear(self) -> None:
         for name in self._COMPRESSED + self._RECENT:
             setattr(self, name, None)
+        self.center = None
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -257,9 +315,10 @@ class _TurboQuantStorage:
     store: CompressedKVStore | None
 
     def _init_storage(self, kv_format: KVFormat, head_dim: int | None, residual_tokens: int,
-                      fresh_full_precision: bool) -> None:
+                      fresh_full_precision: bool, centering: KeyCentering | None = None) -> None:
         self.kv_format, self.head_dim, self.residual_tokens = kv_format, head_dim, residual_tokens
         self.fresh_full_precision = bool(fresh_full_precision)
+        self.centering = centering
         self.store = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -268,7 +327,7 @@ class _TurboQuantStorage:
             raise ValueError(f"TurboQuantCache: config says head_dim {self.head_dim}, got states with {head_dim}")
         self.head_dim = head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = CompressedKVStore(self.kv_format, head_dim, self.residual_tokens)
+        self.store = CompressedKVStore(self.kv_format, head_dim, self.residual_tokens, self.centering)
         self.is_initialized = True
         if hasattr(self, "_sliding_window_tensor"):
             self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
@@ -334,9 +393,9 @@ class TurboQuantLayer(_TurboQuantStorage, DynamicLayer):
     """Full-attention layer with TurboQuant-compressed storage."""
 
     def __init__(self, kv_format: KVFormat, head_dim: int | None = None, residual_tokens: int = 0, *,
-                 fresh_full_precision: bool = True, **kwargs):
+                 fresh_full_precision: bool = True, centering: KeyCentering | None = None, **kwargs):
         DynamicLayer.__init__(self)
-        self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision)
+        self._init_storage(kv_format, head_dim, residual_tokens, fresh_full_precision, centering)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return self._append_and_read(key_states, value_states)
@@ -405,12 +464,16 @@ class TurboQuantCache(Cache):
             later calls; a prompt attends to itself in full precision, as in vLLM's (chunked) prefill
             with a TurboQuant KV cache. False (decode-faithful): ``update()`` returns every token, the
             current ones included, as decoded from its compressed bytes.
+        key_centering: tables from ``key_centering_for_model`` (or ``ops.key_centering``): full-attention
+            layers with MSE keys store keys centred as the patched vLLM does (first page plain, later keys
+            minus their page's share of the pre-RoPE key mean); fp8-key formats and sliding layers ignore it.
     """
 
     def __init__(self, config=None, preset: str = DEFAULT_PRESET, *, skip_layers: Iterable[int] = (),
                  residual_tokens: int = 0, fresh_full_precision: bool = True, offloading: bool = False,
-                 offload_only_non_sliding: bool = True):
+                 offload_only_non_sliding: bool = True, key_centering: KeyCentering | None = None):
         self.kv_format = get_format(preset)
+        self.key_centering = None if self.kv_format.key.kind == "fp8" else key_centering
         if int(residual_tokens) < 0:
             raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
         self.residual_tokens = int(residual_tokens)
@@ -448,7 +511,7 @@ class TurboQuantCache(Cache):
             return TurboQuantSlidingWindowLayer(self.kv_format, layer_kwargs["sliding_window"], self.head_dim,
                                                 self.residual_tokens, fresh_full_precision=self.fresh_full_precision)
         return TurboQuantLayer(self.kv_format, self.head_dim, self.residual_tokens,
-                               fresh_full_precision=self.fresh_full_precision)
+                               fresh_full_precision=self.fresh_full_precision, centering=self.key_centering)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._lazy_layers:
@@ -496,3 +559,26 @@ def _normalize_layer_indices(indices: list[int], num_layers: int) -> frozenset[i
             raise ValueError(f"skip_layers index {i} is out of range for a model with {num_layers} layers")
         out.add(j)
     return frozenset(out)
+
+
+def key_centering_for_model(model, page: int = 16) -> KeyCentering:
+    """Key-centering tables for a transformers decoder: RoPE angles of its full-attention layers from its
+    rotary embedding (``full_attention_inv_freq`` where layer types have their own, as in Gemma 3, else
+    ``inv_freq``; rotate-half pairs, as transformers' Llama, Qwen and Gemma families apply them), pages of
+    ``page`` tokens (the serving block size), positions up to ``max_position_embeddings``."""
+    inv_freq = None
+    for name, module in model.named_modules():
+        if name.split(".")[-1] != "rotary_emb":
+            continue
+        for attr in ("full_attention_inv_freq", "inv_freq"):
+            if isinstance(getattr(module, attr, None), torch.Tensor):
+                inv_freq = getattr(module, attr)
+                break
+        if inv_freq is not None:
+            break
+    if inv_freq is None:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding with inv_freq: key centering needs RoPE")
+    config = model.config.get_text_config(decoder=True)
+    return key_centering_tables(inv_freq.double().cpu(), config_head_dim(config), page,
+                                int(getattr(config, "max_position_embeddings", 0) or 32768), neox=True,
+                                device=inv_freq.device)
