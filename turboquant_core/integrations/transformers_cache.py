@@ -58,6 +58,7 @@ from ..ops.key_centering import (
     center_sums_from_keys_ref,
     center_vectors_ref,
     key_centering_tables,
+    page_center_rows,
 )
 from ..quantizer import FP8Quantizer
 from ..rotation import SUPPORTED_HEAD_DIMS
@@ -219,11 +220,8 @@ class CompressedKVStore:
 
     def _centers(self, positions: torch.Tensor) -> torch.Tensor:
         """Centres [B, H, n, D] float64 of compressed tokens at ``positions`` [n] (zero on the first page)."""
-        c = self.centering
         mu, mup = self.center
-        pg = (positions.long() // c.page).clamp_max(c.num_pages - 1)
-        pc = c.page_cos.to(mu.device, torch.float64)[pg]
-        ps = c.page_sin.to(mu.device, torch.float64)[pg]
+        pc, ps = page_center_rows(positions.to(mu.device), self.centering)
         return (mu[:, :, None, :] * pc + mup[:, :, None, :] * ps)[..., : self.head_dim]
 
     # -- reads -----------------------------------------------------------------------------------

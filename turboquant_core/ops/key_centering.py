@@ -161,14 +161,19 @@ def center_vectors_ref(sums: torch.Tensor, centering: KeyCentering) -> tuple[tor
     return mu, mup
 
 
+def page_center_rows(positions: torch.Tensor, centering: KeyCentering) -> tuple[torch.Tensor, torch.Tensor]:
+    """(PC, PS) [n, dim_pad] float64: the page-table rows of tokens at ``positions`` [n]."""
+    pg = (positions.long() // centering.page).clamp_max(centering.num_pages - 1)
+    dev = positions.device
+    return centering.page_cos.double().to(dev)[pg], centering.page_sin.double().to(dev)[pg]
+
+
 def token_centers_ref(mu: torch.Tensor, mup: torch.Tensor, positions: torch.Tensor,
                       centering: KeyCentering) -> torch.Tensor:
     """Centres [n, ..., head_dim] float64 of tokens at ``positions`` [n]; mu, mup [n, ..., dim_pad]."""
-    pg = (positions.long() // centering.page).clamp_max(centering.num_pages - 1)
-    shape = (pg.shape[0],) + (1,) * (mu.dim() - 2) + (centering.dim_pad,)
-    pc = centering.page_cos.double().to(mu.device)[pg].view(shape)
-    ps = centering.page_sin.double().to(mu.device)[pg].view(shape)
-    return (mu * pc + mup * ps)[..., : centering.head_dim]
+    pc, ps = page_center_rows(positions, centering)
+    shape = (pc.shape[0],) + (1,) * (mu.dim() - 2) + (centering.dim_pad,)
+    return (mu * pc.view(shape) + mup * ps.view(shape))[..., : centering.head_dim]
 
 
 def center_sums_from_keys_ref(first_page_keys: torch.Tensor, centering: KeyCentering) -> torch.Tensor:
@@ -196,4 +201,5 @@ def request_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num
 
 
 __all__ = ["ENV_KEY_CENTERING", "KeyCentering", "center_sums_from_keys_ref", "center_vectors_ref",
-           "key_centering_tables", "request_positions", "rope_theta_from_cos_sin_cache", "token_centers_ref"]
+           "key_centering_tables", "page_center_rows", "request_positions", "rope_theta_from_cos_sin_cache",
+           "token_centers_ref"]

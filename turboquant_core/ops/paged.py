@@ -323,6 +323,18 @@ def _check_sums(center_sums: torch.Tensor, num_reqs: int, num_kv_heads: int, cen
                          f"last two dims (new_center_sums), got {center_sums.dtype} {tuple(center_sums.shape)}")
 
 
+def _centering_args(centering: KeyCentering | None, center_sums: torch.Tensor | None, placeholder: torch.Tensor,
+                    fp16_tables: bool = False) -> tuple[tuple, dict]:
+    """The kernels' centering arguments (SUMS, its request and head strides, page tables, page count) and
+    constexprs; unused placeholders without centering."""
+    if centering is None:
+        return (placeholder, 0, 0, placeholder, placeholder, 1), dict(ROT_HALF=0, NEOX=True)
+    c = centering
+    tables = (c.page_cos16, c.page_sin16) if fp16_tables else (c.page_cos, c.page_sin)
+    return ((center_sums, center_sums.stride(0), center_sums.stride(1), *tables, c.num_pages),
+            dict(ROT_HALF=c.rot_half, NEOX=c.neox))
+
+
 def tq_key_center_sums(cache: torch.Tensor, layout: PagedTQLayout, centering: KeyCentering,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Sums (U, V) [R, Hkv, 2, dim_pad] of every request's first page into ``out`` (zeros for requests
@@ -330,21 +342,27 @@ def tq_key_center_sums(cache: torch.Tensor, layout: PagedTQLayout, centering: Ke
     num_kv_heads = cache.shape[1]
     _check_centering(centering, layout)
     u8, f16 = _cache_views(cache, layout, num_kv_heads)
-    num_reqs = block_table.shape[0]
-    _check_sums(out, num_reqs, num_kv_heads, centering)
+    _check_sums(out, block_table.shape[0], num_kv_heads, centering)
+    _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, out)
+    return out
+
+
+def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """``tq_key_center_sums`` without the checks (the store has made them)."""
+    num_reqs, num_kv_heads = block_table.shape[0], u8.shape[1]
     if num_reqs == 0:
-        return out
-    kt, _ = _layout_tables(layout, cache.device)
+        return
+    kt, _ = _layout_tables(layout, u8.device)
     kc = kt.codec
+    lc = layout.kernel_constexprs()
     tq_key_center_sums_kernel[(num_reqs, num_kv_heads)](
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens,
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], centering.pos_cos, centering.pos_sin,
         out, out.stride(0), out.stride(1), kc.rot_scale,
         D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4,
-        **kt.constexprs("K"), K_IDX_OFF=layout.kernel_constexprs()["K_IDX_OFF"],
-        K_SC_OFF=layout.kernel_constexprs()["K_SC_OFF"], K_ROW=layout.kernel_constexprs()["K_ROW"],
+        **kt.constexprs("K"), K_IDX_OFF=lc["K_IDX_OFF"], K_SC_OFF=lc["K_SC_OFF"], K_ROW=lc["K_ROW"],
     )
-    return out
 
 
 def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -384,20 +402,17 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     grid = (triton.cdiv(num_tokens, bn), num_kv_heads)
 
     def launch(mode: int) -> None:
-        c = centering
+        cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
         tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),
             kc.rot_hi, kc.rot_lo, kcent0, kbnd0, kcent1, kbnd1,
             vc.rot_hi, vc.rot_lo, vcent0, vbnd0, vcent1, vbnd1,
             num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
-            *((query_start_loc, seq_lens, block_table.shape[0], center_sums, center_sums.stride(0),
-               center_sums.stride(1), c.page_cos, c.page_sin, c.num_pages) if mode else
-              (f16, f16, 0, f16, 0, 0, f16, f16, 1)),
+            *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs,
             D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
             K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
-            BN=bn, CENTER_MODE=mode, ROT_HALF=c.rot_half if mode else 0, NEOX=c.neox if mode else True,
-            SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4,
+            BN=bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4, **cconst,
             **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
         )
 
@@ -405,7 +420,7 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         launch(0)
         return None
     launch(1)
-    tq_key_center_sums(cache, layout, centering, block_table, seq_lens, center_sums)
+    _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums)
     launch(2)
     return center_sums
 
@@ -709,6 +724,7 @@ class TQAttentionPlan:
         qblocks = self.num_reqs if self.one_qblock else self.num_reqs + tq // self.qpb
         cfg = self.config
         grid = (qblocks, self.num_kv_heads, s)
+        cargs, cconst = _centering_args(centering, center_sums, f16, fp16_tables=True)
         self.last_compiled = tq_paged_attention_kernel[grid](
             q, q.stride(0), q.stride(1),
             u8, f16, u8.stride(0), u8.stride(1),
@@ -720,17 +736,13 @@ class TQAttentionPlan:
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             self.num_reqs, s, self.softmax_scale * kt.codec.rot_scale / LN2, vt.codec.rot_scale,
             self.sliding_window or 0,
-            *((center_sums, center_sums.stride(0), center_sums.stride(1), centering.page_cos16,
-               centering.page_sin16, centering.num_pages) if centering is not None else (f16, 0, 0, f16, f16, 1)),
-            self.softmax_scale / LN2,
+            *cargs, self.softmax_scale / LN2,
             D=d, D_PAD=kt.codec.dim_pad, GQ=self.group, GQ_PAD=self.block_m // self.qpb, QPB=self.qpb,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             K_FP8=lay.key_is_fp8, SPLIT=s > 1, ONE_QBLOCK=self.one_qblock, CAUSAL=self.causal,
             HAS_WINDOW=self.sliding_window is not None, WRITE_LSE=write_lse, WHILE_LOOP=_interpreting(),
             Q_HILO=cfg.q_hilo, ASM_LOOKUP=cfg.asm_lookup and not _interpreting(), PAIR_BITS=cfg.pair_bits,
-            CENTER=centering is not None, ROT_HALF=centering.rot_half if centering is not None else 0,
-            NEOX=centering.neox if centering is not None else True,
-            num_warps=self.num_warps, num_stages=cfg.num_stages,
+            CENTER=centering is not None, **cconst, num_warps=self.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}),
             **kt.constexprs("K", lay.key_is_fp8), **vt.constexprs("V"), **lay.kernel_constexprs(),
         )
@@ -907,16 +919,14 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
     kt, vt = _layout_tables(layout, cache.device)
     kc, vc = kt.codec, vt.codec
     grid = (num_reqs, triton.cdiv(max_seq_len, block_n), num_kv_heads)
+    cargs, cconst = _centering_args(centering, center_sums, f16)
     tq_paged_gather_dequant_kernel[grid](
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens, cu_seq_lens,
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], vc.rot_hi, vc.rot_lo, vc.centroids[0],
         vc.centroids[-1], out_k, out_k.stride(0), out_k.stride(1), out_v, out_v.stride(0), out_v.stride(1),
         kc.rot_scale, vc.rot_scale,
-        *((center_sums, center_sums.stride(0), center_sums.stride(1), centering.page_cos, centering.page_sin,
-           centering.num_pages) if centering is not None else (f16, 0, 0, f16, f16, 1)),
-        D=layout.head_dim, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8, BN=block_n, num_warps=4,
-        CENTER=centering is not None, ROT_HALF=centering.rot_half if centering is not None else 0,
-        NEOX=centering.neox if centering is not None else True,
+        *cargs, D=layout.head_dim, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8, BN=block_n, num_warps=4,
+        CENTER=centering is not None, **cconst,
         **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
     )
     return out_k, out_v
