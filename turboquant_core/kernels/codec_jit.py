@@ -10,12 +10,18 @@ Conventions shared with the paged-cache kernels:
   ROT_LO is zero and unused (``EXACT_ROT``) and the 1/sqrt(d) lives in ``rot_scale``.
 - Products run on fp16 tensor cores as hi/lo pairs, which keeps fp32-level accuracy. Operands
   are bounded first (unit vectors, codebook values < 3) so fp16 never overflows whatever the
-  vector's norm.
+  vector's norm. The exception is the encoder's common case, 16-bit rows and a Hadamard rotation:
+  the rows as loaded times the +-1 rows in the same type (``ROT_BF16`` for bf16) are exact products.
 - Packing is layout ``planar8`` (see ``turboquant_core.packing``).
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# Read when the kernels are defined, as Triton itself reads it (tests set it before importing them).
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -66,31 +72,16 @@ def _rotate_rows(x, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _exact_f16(x, norm):
-    """x [BN, D_PAD] fp16 / bf16 as loaded -> (fp16 tile, per-row power of two it was scaled by).
-
-    fp16 passes through. bf16 is scaled by 2^k, k from the row's norm so that the norm lands in
-    [2^14, 2^15): no entry can overflow fp16, and an entry's 8 significant bits convert exactly down to
-    about 2^-31 of the norm (smaller ones round at 2^-39 of the norm, below fp32 resolution)."""
-    if x.dtype == tl.float16:
-        return x, tl.full(norm.shape, 1.0, tl.float32)
-    ebits = (norm.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: norm in [2^(e-127), 2^(e-126))
-    ebits = tl.minimum(tl.maximum(ebits, 14), 254)
-    pow2 = ((268 - ebits) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
-    # A sum of squares that underflowed to 0 (entries below ~1e-23) must not scale tiny entries into
-    # fp16 overflow; such a row encodes as zero either way, as in the reference.
-    pow2 = tl.where(norm > 0, pow2, 1.0)
-    return (x.to(tl.float32) * pow2[:, None]).to(tl.float16), pow2
-
-
-@triton.jit
-def _rotate_rows_exact(x16, ROT_HI, row0, P: tl.constexpr, D_PAD: tl.constexpr):
-    """x16 [BN, D_PAD] fp16 holding the input exactly -> x16 @ rows[row0:row0+P]^T, [BN, P] fp32, for
-    Hadamard rows (exactly +-1): both operands are exact, so one product with fp32 accumulation does
-    what the hi/lo pairs do for an fp32 operand. D_PAD <= 256."""
+def _rotate_rows_exact(x16, ROT, row0, P: tl.constexpr, D_PAD: tl.constexpr):
+    """x16 [BN, D_PAD] fp16 or bf16 as loaded -> x16 @ rows[row0:row0+P]^T, [BN, P] fp32, for Hadamard rows
+    (exactly +-1) in x16's type: both operands are exact, so one product with fp32 accumulation does what
+    the hi/lo pairs do for an fp32 operand. D_PAD <= 256."""
     p = tl.arange(0, P)
     i = tl.arange(0, D_PAD)
-    r = tl.load(ROT_HI + (row0 + p)[None, :] * D_PAD + i[:, None])  # [D_PAD, P]: transposed view
+    r = tl.load(ROT + (row0 + p)[None, :] * D_PAD + i[:, None])  # [D_PAD, P]: transposed view
+    if INTERPRETING and x16.dtype == tl.bfloat16:
+        # Triton 3.6's interpreter multiplies bf16 operands wrongly; fp32 operands hold them exactly.
+        return tl.dot(x16.to(tl.float32), r.to(tl.float32))
     return tl.dot(x16, r)
 
 
@@ -123,22 +114,22 @@ def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr
 
 
 @triton.jit
-def _quantize_segment(s, BND, CENT, NLEV: tl.constexpr):
-    """Scaled coords -> (codebook index, |centroid| of that index).
+def _quantize_segment(s, BND, LEVELS, NLEV: tl.constexpr):
+    """Scaled coords -> (codebook index, c[idx]^2 within 2^-20).
 
     The index is the number of boundaries strictly below s (ties at a boundary, a measure-zero case,
     may land one index apart on the negative side). The codebooks are exactly symmetric (c[L-1-i] ==
-    -c[i], middle boundary 0; tested), so the search runs on |s| over the L/2 - 1 positive boundaries
-    and yields |c[idx]| on the way: half the compares of a linear search and no gather."""
+    -c[i], middle boundary 0; tested), so the search runs on |s| over the L/2 - 1 positive boundaries:
+    one compare and one select per boundary, of a word (``rotation_tables.encoder_levels``) that holds
+    both the half-index and c^2; the sign picks the half with one xor (H + m == m ^ H and
+    H - 1 - m == m ^ (H - 1) for m < H, H a power of two)."""
     H: tl.constexpr = NLEV // 2
     a = tl.abs(s)
-    cnt = tl.zeros(s.shape, dtype=tl.int32)
-    cabs = tl.zeros(s.shape, dtype=tl.float32) + tl.load(CENT + H)
+    w = tl.zeros(s.shape, dtype=tl.int32) + tl.load(LEVELS)
     for m in tl.static_range(H - 1):
-        above = a > tl.load(BND + H + m)
-        cnt = tl.where(above, m + 1, cnt)
-        cabs = tl.where(above, tl.load(CENT + H + m + 1), cabs)
-    return tl.where(s > 0, H + cnt, H - 1 - cnt), cabs
+        w = tl.where(a > tl.load(BND + H + m), tl.load(LEVELS + m + 1), w)
+    idx = (w & (H - 1)) ^ tl.where(s > 0, H, H - 1)
+    return idx, w.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -178,41 +169,75 @@ def _segment_valid(BN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale,
+def _encode_segment_exact(x, row_mul, ROT, row0, OUT, out_off, row_mask, byte0, LEVELS, BND,
+                          D_PAD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
+    """One segment of 16-bit rows with a Hadamard rotation: quantize, pack and store; returns the rows'
+    sum of c^2 over the segment.
+
+    With GP >= 16 (Triton's smallest product width) the segment is rotated one packing slot at a time,
+    [D_PAD, GP] rows per product: the 8 slots' index tiles then share one register layout and pack with
+    shifts and ors (one [BN, 8*GP] product would have to be reshaped across threads to pack), and c^2 is
+    summed over the slots in registers before a single row reduction."""
+    BN: tl.constexpr = x.shape[0]
+    g = tl.arange(0, GP)
+    valid = (g < G)[None, :]
+    if GP >= 16:
+        word = tl.zeros((BN, GP), dtype=tl.uint32)
+        c2 = tl.zeros((BN, GP), dtype=tl.float32)
+        for j in tl.static_range(8):
+            t = _rotate_rows_exact(x, ROT, row0 + j * GP, GP, D_PAD) * row_mul
+            idx, sq = _quantize_segment(t, BND, LEVELS, 1 << B)
+            c2 += sq
+            word |= idx.to(tl.uint32) << (B * j)
+        m = row_mask[:, None] & valid
+        for k in tl.static_range(B):
+            tl.store(OUT + out_off[:, None] + byte0 + k * G + g[None, :], ((word >> (8 * k)) & 0xFF).to(tl.uint8),
+                     mask=m)
+        return tl.sum(tl.where(valid, c2, 0.0), axis=1)
+    else:
+        t = _rotate_rows_exact(x, ROT, row0, 8 * GP, D_PAD) * row_mul
+        idx, sq = _quantize_segment(t, BND, LEVELS, 1 << B)
+        _pack_store(idx, OUT, out_off, row_mask, byte0, BN, G, GP, B)
+        return tl.sum(tl.where(_segment_valid(BN, G, GP), sq, 0.0), axis=1)
+
+
+@triton.jit
+def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1, rot_scale,
                      sqrt_d, D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
                      G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
                      NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr):
     """x [BN, D_PAD] as loaded (fp16 / bf16 / fp32) -> packed indices stored at OUT[out_off + ...];
     returns the fp32 scale [BN] (already clamped to the fp16 range). Shared by ``tq_mse_encode_kernel``
-    and the paged store.
+    and the paged store. LEV*/BND*: ``rotation_tables.encoder_levels`` and the boundaries per segment.
 
-    16-bit inputs with a Hadamard rotation take one fp16 product per segment on the input as it is
-    (exactly, see ``_exact_f16``) and scale by 1 / |x| afterwards; otherwise the unit vector is rotated
-    with the fp16 hi/lo pairs."""
+    16-bit inputs with a Hadamard rotation are the products' operand as loaded, against the +-1 rows in
+    the same type (ROT_HI for fp16, ROT_BF16 for bf16): exact products, fp32 sums, and 1 / |x| applied
+    afterwards (``_encode_segment_exact``); otherwise the unit vector is rotated with the fp16 hi/lo pairs."""
     xf = x.to(tl.float32)
     norm = tl.sqrt(tl.sum(xf * xf, axis=1))
     inv_norm = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
     s_mul = sqrt_d * rot_scale
-    # The condition is spelled out at both uses: Triton resolves it statically only as an expression of
-    # constexprs, not through a local name.
     if EXACT_ROT and D_PAD <= 256 and x.dtype != tl.float32:
-        x16, pow2 = _exact_f16(x, norm)
-        row_mul = (inv_norm / pow2 * s_mul)[:, None]
-        t0 = _rotate_rows_exact(x16, ROT_HI, 0, 8 * GP0, D_PAD) * row_mul
+        if x.dtype == tl.bfloat16:
+            rot = ROT_BF16
+        else:
+            rot = ROT_HI
+        row_mul = (inv_norm * s_mul)[:, None]
+        sumsq = _encode_segment_exact(x, row_mul, rot, 0, OUT, out_off, row_mask, 0, LEV0, BND0, D_PAD, G0, GP0, B0)
+        if G1 > 0:
+            sumsq += _encode_segment_exact(x, row_mul, rot, 8 * GP0, OUT, out_off, row_mask, B0 * G0, LEV1, BND1,
+                                           D_PAD, G1, GP1, B1)
     else:
         u = xf * inv_norm[:, None]
         t0 = _rotate_rows(u, ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT) * s_mul
-    idx0, c0 = _quantize_segment(t0, BND0, CENT0, 1 << B0)
-    sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), c0 * c0, 0.0), axis=1)
-    _pack_store(idx0, OUT, out_off, row_mask, 0, BN, G0, GP0, B0)
-    if G1 > 0:
-        if EXACT_ROT and D_PAD <= 256 and x.dtype != tl.float32:
-            t1 = _rotate_rows_exact(x16, ROT_HI, 8 * GP0, 8 * GP1, D_PAD) * row_mul
-        else:
+        idx0, sq0 = _quantize_segment(t0, BND0, LEV0, 1 << B0)
+        sumsq = tl.sum(tl.where(_segment_valid(BN, G0, GP0), sq0, 0.0), axis=1)
+        _pack_store(idx0, OUT, out_off, row_mask, 0, BN, G0, GP0, B0)
+        if G1 > 0:
             t1 = _rotate_rows(u, ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT) * s_mul
-        idx1, c1 = _quantize_segment(t1, BND1, CENT1, 1 << B1)
-        sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), c1 * c1, 0.0), axis=1)
-        _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
+            idx1, sq1 = _quantize_segment(t1, BND1, LEV1, 1 << B1)
+            sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), sq1, 0.0), axis=1)
+            _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
     if NORM_CORRECTION:
         scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
     else:
@@ -222,7 +247,7 @@ def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CEN
 
 @triton.jit
 def tq_mse_encode_kernel(
-    X, stride_x, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, OUT, stride_out, SCALE,
+    X, stride_x, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1, OUT, stride_out, SCALE,
     N, rot_scale, sqrt_d,
     D: tl.constexpr, D_PAD: tl.constexpr,
     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
@@ -236,7 +261,7 @@ def tq_mse_encode_kernel(
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :], mask=rmask[:, None] & (i < D)[None, :],
                 other=0.0)
     out_off = rows.to(tl.int64) * stride_out
-    scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, CENT0, BND0, CENT1, BND1, rot_scale,
+    scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1, rot_scale,
                              sqrt_d, D_PAD, G0, GP0, B0, G1, GP1, B1, NORM_CORRECTION, EXACT_ROT, BN)
     tl.store(SCALE + rows, scale.to(tl.float16), mask=rmask)
 

@@ -67,8 +67,8 @@ def _fp8_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, rot_scale,
 def tq_paged_store_kernel(
     KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
     CACHE, CACHE16, stride_cb, stride_ch,
-    KROT_HI, KROT_LO, KCENT0, KBND0, KCENT1, KBND1,
-    VROT_HI, VROT_LO, VCENT0, VBND0, VCENT1, VBND1,
+    KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
+    VROT_HI, VROT_LO, VROT_BF16, VLEV0, VBND0, VLEV1, VBND1,
     num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
     QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
@@ -118,13 +118,13 @@ def tq_paged_store_kernel(
         _fp8_encode_rows(x.to(tl.float32), k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
                          k_rot_scale, D_PAD, KG0, KGP0, K_EXACT)
     else:
-        k_scale = _mse_encode_rows(x, k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
-                                   KCENT0, KBND0, KCENT1, KBND1, k_rot_scale, sqrt_d,
+        k_scale = _mse_encode_rows(x, k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, KROT_BF16,
+                                   KLEV0, KBND0, KLEV1, KBND1, k_rot_scale, sqrt_d,
                                    D_PAD, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT, BN)
         tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=k_ok)
     if CENTER_MODE != 2:  # (the second pass writes keys only)
         y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
-        v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO,
-                                   VCENT0, VBND0, VCENT1, VBND1, v_rot_scale, sqrt_d,
+        v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO, VROT_BF16,
+                                   VLEV0, VBND0, VLEV1, VBND1, v_rot_scale, sqrt_d,
                                    D_PAD, VG0, VGP0, VB0, VG1, VGP1, VB1, V_NC, V_EXACT, BN)
         tl.store(CACHE16 + (base + V_SC_OFF) // 2 + off, v_scale.to(tl.float16), mask=ok)

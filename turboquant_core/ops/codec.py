@@ -59,10 +59,10 @@ def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True
     out = torch.empty(n, t.index_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
     cfg = _launch(t.dim_pad, block_rows, num_warps)
-    c0, b0, c1, b1 = t.segment_tables()
+    lv0, b0, lv1, b1 = t.encode_tables()
     if n:
         tq_mse_encode_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            x2, x2.stride(0), t.rot_hi, t.rot_lo, c0, b0, c1, b1, out, out.stride(0), scale,
+            x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, lv0, b0, lv1, b1, out, out.stride(0), scale,
             n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, **cfg,
             **t.kernel_constexprs(),
         )

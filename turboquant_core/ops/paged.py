@@ -396,8 +396,8 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         return center_sums
     kt, vt = _layout_tables(layout, key.device)
     kc, vc = kt.codec, vt.codec
-    kcent0, kbnd0, kcent1, kbnd1 = kc.segment_tables()
-    vcent0, vbnd0, vcent1, vbnd1 = vc.segment_tables()
+    klev0, kbnd0, klev1, kbnd1 = kc.encode_tables()
+    vlev0, vbnd0, vlev1, vbnd1 = vc.encode_tables()
     bn = 32 if kc.dim_pad <= 128 else 16
     grid = (triton.cdiv(num_tokens, bn), num_kv_heads)
 
@@ -406,8 +406,8 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),
-            kc.rot_hi, kc.rot_lo, kcent0, kbnd0, kcent1, kbnd1,
-            vc.rot_hi, vc.rot_lo, vcent0, vbnd0, vcent1, vbnd1,
+            kc.rot_hi, kc.rot_lo, kc.rot_bf16, klev0, kbnd0, klev1, kbnd1,
+            vc.rot_hi, vc.rot_lo, vc.rot_bf16, vlev0, vbnd0, vlev1, vbnd1,
             num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
             *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs,
             D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,

@@ -38,10 +38,12 @@ class CodecTables:
     segments: tuple[SegmentGeometry, ...]
     rot_hi: torch.Tensor  # [rows, dim_pad] fp16
     rot_lo: torch.Tensor  # [rows, dim_pad] fp16 (zeros when exact_rot)
+    rot_bf16: torch.Tensor  # rot_hi in bf16: the +-1 rows exactly, the operand for bf16 inputs (exact_rot)
     rot_scale: float
     exact_rot: bool
     centroids: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits]
     boundaries: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits - 1]
+    levels: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1)]: ``encoder_levels``
     index_bytes: int
 
     def kernel_constexprs(self) -> dict:
@@ -58,6 +60,21 @@ class CodecTables:
         """(cent0, bnd0, cent1, bnd1): second segment falls back to the first when absent."""
         c, b = self.centroids, self.boundaries
         return c[0], b[0], c[-1], b[-1]
+
+    def encode_tables(self):
+        """(levels0, bnd0, levels1, bnd1) for the encoder; the second segment falls back to the first."""
+        lv, b = self.levels, self.boundaries
+        return lv[0], b[0], lv[-1], b[-1]
+
+
+def encoder_levels(centroids: torch.Tensor) -> torch.Tensor:
+    """int32 [L/2] for a symmetric codebook of L levels: entry m is c[L/2 + m]^2 as fp32 bits with the low
+    log2(L/2) mantissa bits replaced by m. The encoder's compare chain selects one of these per coordinate
+    and reads both the half-index (low bits) and c^2 for the norm correction (the word as fp32, within
+    2^-20 relative of c^2: far below the fp16 scale's own rounding, 2^-11)."""
+    h = centroids.numel() // 2
+    sq = (centroids[h:].float() ** 2).view(torch.int32)
+    return ((sq & ~(h - 1)) | torch.arange(h, dtype=torch.int32, device=centroids.device)).contiguous()
 
 
 def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
@@ -84,8 +101,9 @@ def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
     hi = full.to(torch.float16)
     lo = (full - hi.float()).to(torch.float16)
     cents, bnds = zip(*(codebook_tensors(b, dim, device) for _, b in segs))
-    return CodecTables(dim, dim_pad, tuple(geoms), hi.to(device).contiguous(), lo.to(device).contiguous(),
-                       rot_scale, exact, tuple(cents), tuple(bnds), byte0)
+    hi = hi.to(device).contiguous()
+    return CodecTables(dim, dim_pad, tuple(geoms), hi, lo.to(device).contiguous(), hi.to(torch.bfloat16),
+                       rot_scale, exact, tuple(cents), tuple(bnds), tuple(encoder_levels(c) for c in cents), byte0)
 
 
 @functools.lru_cache(maxsize=256)
