@@ -174,14 +174,17 @@ def _encode_segment_exact(x, row_mul, ROT, row0, OUT, out_off, row_mask, byte0, 
     """One segment of 16-bit rows with a Hadamard rotation: quantize, pack and store; returns the rows'
     sum of c^2 over the segment.
 
-    With GP >= 16 (Triton's smallest product width) the segment is rotated one packing slot at a time,
-    [D_PAD, GP] rows per product: the 8 slots' index tiles then share one register layout and pack with
-    shifts and ors (one [BN, 8*GP] product would have to be reshaped across threads to pack), and c^2 is
-    summed over the slots in registers before a single row reduction."""
+    With GP >= 16 (Triton's smallest product width) and BN >= 64 the segment is rotated one packing slot at
+    a time, [D_PAD, GP] rows per product: the 8 slots' index tiles then share one register layout and pack
+    with shifts and ors (one [BN, 8*GP] product would have to be reshaped across threads to pack), and c^2
+    is summed over the slots in registers before a single row reduction. Blocks of fewer rows (the paged
+    store's) keep one product: their slot products do not run as Hopper warpgroup products, and holding
+    the 8 slots' rotation rows as register operands took the store kernel from about 180 to 255 registers
+    (spilling) on sm_90."""
     BN: tl.constexpr = x.shape[0]
     g = tl.arange(0, GP)
     valid = (g < G)[None, :]
-    if GP >= 16:
+    if GP >= 16 and BN >= 64:
         word = tl.zeros((BN, GP), dtype=tl.uint32)
         c2 = tl.zeros((BN, GP), dtype=tl.float32)
         for j in tl.static_range(8):
