@@ -30,9 +30,10 @@ def key(r: dict) -> tuple:
     return r["length"], r["depth_percent"], r["sample"]
 
 
-def main() -> None:
+def compare(paths, vllm_run: Path = VLLM_RUN, vllm_match: dict = VLLM_MATCH) -> None:
+    """Print the table for the CPU result files ``paths`` against the vLLM configs in ``vllm_run``."""
     by_variant: dict[str, dict] = {}
-    for path in sys.argv[1:]:
+    for path in paths:
         for r in json.loads(Path(path).read_text())["records"]:
             by_variant.setdefault(r["variant"], {})[key(r)] = r["correct"]
     ref = by_variant["full precision"]
@@ -44,12 +45,16 @@ def main() -> None:
         got = {"acc": sum(rec.values()) / len(rec), "n": len(rec)}
         p = niah_shortfall_p(ref_stats, got)
         vllm_cell = agree_cell = "-"
-        if name in VLLM_MATCH:
-            vr = json.loads((VLLM_RUN / VLLM_MATCH[name]).read_text())["tasks"]["niah"]["records"]
+        if name in vllm_match:
+            vr = json.loads((vllm_run / vllm_match[name]).read_text())["tasks"]["niah"]["records"]
             vmap = {key(r): r["correct"] for r in vr if key(r) in rec}
             vllm_cell = f"{sum(vmap.values())}/{len(vmap)}"
             agree_cell = f"{sum(vmap[k] == rec[k] for k in vmap)}/{len(vmap)}"
         print(f"| {name} | {sum(rec.values())}/{len(rec)} | {p:.2g} | {vllm_cell} | {agree_cell} |")
+
+
+def main() -> None:
+    compare(sys.argv[1:])
 
 
 if __name__ == "__main__":
