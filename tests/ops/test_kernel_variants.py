@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PROBE = r'''
-import json, sys
+import json, os, re, subprocess, sys, tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -29,19 +29,20 @@ from triton.compiler import compile as triton_compile, make_backend
 from triton.runtime import jit as tjit
 
 TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+MODE = sys.argv[1]
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def stack_bytes(cubin):
     """Per-thread stack frame of a cubin's kernel (register spills), from Triton's bundled cuobjdump."""
-    import os, re, subprocess, tempfile
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return int(re.search(r"STACK:(\d+)", res).group(1))
-BACKEND = make_backend(TARGET)
-MODE = sys.argv[1]
+
+
 seen = []
 binders = {}
 compiled = {}
