@@ -111,6 +111,10 @@ for n in (1, 3, 7, 16, 33, 64, 128, 300, 600):  # store: any number of tokens
     tq_store(key[:n], value[:n], cache, torch.arange(n), layout, **cen)
 cen = {} if cent is None else dict(centering=cent)
 for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's long max_seq_len
+    if cent is not None:  # a decode-only batch's store: sums first, then one pass
+        tq_store(key[:reqs], value[:reqs], cache, torch.arange(reqs), layout, centering=cent,
+                 query_start_loc=torch.arange(reqs + 1, dtype=torch.int32), seq_lens=seq[:reqs],
+                 block_table=table[:reqs], center_sums=sums, single_token_requests=True)
     for max_seq in (40, 8192):
         qsl = torch.arange(reqs + 1, dtype=torch.int32)
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
@@ -169,15 +173,16 @@ def test_warmup_covers_every_centred_serving_variant(case):
     assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
     assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_key_center_sums_kernel", "tq_paged_attention_kernel",
                                    "tq_merge_splits_kernel"}
-    # store (2 passes) + sums + decode (2) + context (4 shapes x 2) + merge (with and without lse)
-    assert len(res["warm"]) == 3 + 2 + 8 + 2
+    # store (2 passes, and 1 for single-token batches) + sums (after, before the store) + decode (2)
+    # + context (4 shapes x 2) + merge (with and without lse)
+    assert len(res["warm"]) == 5 + 2 + 8 + 2
 
 
 @pytest.mark.slow
 def test_centred_warmup_variants_compile_for_sm90():
     res = _probe("compile", CASES[0], "asm", "center")
     names = [c["kernel"] for c in res["compiled"]]
-    assert names.count("tq_paged_attention_kernel") == 10 and names.count("tq_paged_store_kernel") == 2
+    assert names.count("tq_paged_attention_kernel") == 10 and names.count("tq_paged_store_kernel") == 3
     assert all(c["shared"] <= 232448 for c in res["compiled"])
 
 

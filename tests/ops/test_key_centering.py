@@ -69,7 +69,7 @@ class _Batch:
     """Requests stored step by step through tq_store, as a serving engine does (prefill chunks, then decode)."""
 
     def __init__(self, name, d, hkv, seq_lens, steps, device, *, neox=True, rot_dim=None, seed=0,
-                 centering=True, mean_scale=3.0):
+                 centering=True, mean_scale=3.0, single_token_steps=False):
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.lay = paged_layout(name, d, BLOCK)
         rot_dim = rot_dim or d
@@ -86,6 +86,8 @@ class _Batch:
         self.v = [torch.randn(s, hkv, d, generator=g).to(torch.bfloat16) for s in seq_lens]
         self.seq_lens, self.device, self.hkv, self.d = list(seq_lens), device, hkv, d
         self.sums = new_center_sums(r, hkv, self.cent, device) if centering else None
+        # steps with at most one token per request take the store's single-pass path (vLLM: decode-only batches)
+        self.single_token_steps = single_token_steps
         done = [0] * r
         for step in steps:  # tokens per request in this step
             self.store_step(step, done)
@@ -110,8 +112,9 @@ class _Batch:
         if self.cent is None:
             fn(k, v, self.cache, slots, self.lay)
         else:
+            single = {"single_token_requests": True} if self.single_token_steps and max(counts) <= 1 and not ref else {}
             fn(k, v, self.cache, slots, self.lay, centering=self.cent, query_start_loc=qsl, seq_lens=sl,
-               block_table=self.bt, center_sums=self.sums)
+               block_table=self.bt, center_sums=self.sums, **single)
         for i, n in enumerate(counts):
             done[i] += n
 
@@ -225,16 +228,43 @@ def test_centred_store_matches_reference(name, d, device):
             assert torch.equal(g_, w_)
 
 
-def test_store_bytes_do_not_depend_on_chunking(device):
+@pytest.mark.parametrize("single_pass", [False, True], ids=["three-launch", "single-token-path"])
+def test_store_bytes_do_not_depend_on_chunking(single_pass, device):
     """Prefix caching and recomputation rely on it: one 70-token prefill and 70 single-token steps store
-    the same bytes, and the same sums."""
+    the same bytes, and the same sums (single-token steps through either store path)."""
     one = _Batch("turboquant_k3v4_nc", 64, 2, [70], [[70]], device, seed=3)
-    many = _Batch("turboquant_k3v4_nc", 64, 2, [70], [[1]] * 70, device, seed=3)
+    many = _Batch("turboquant_k3v4_nc", 64, 2, [70], [[1]] * 70, device, seed=3, single_token_steps=single_pass)
     a = read_cached_tokens(one.cache, one.lay, one.bt[0], 70)
     b = read_cached_tokens(many.cache, many.lay, many.bt[0], 70)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert torch.equal(one.sums, many.sums)
+
+
+@pytest.mark.parametrize("name,d", [("turboquant_k3v4_nc", 64), ("turboquant_3p5bit_nc", 128)])
+def test_single_token_store_path_matches_the_three_launch_one(name, d, device):
+    """Decode-only batches store with the sums taken first and one pass: the same bytes as the three-launch
+    store, step by step, while requests' first pages fill (positions 15, 16) and after. Sums differ only for
+    a request whose first page filled in that very step (zeros: nothing of its reads them yet)."""
+    seqs, prefill = [22, 18, 15, 40], [12, 14, 10, 30]
+    steps = [prefill] + [[1, 1, 1, 1]] * 10
+    three = _Batch(name, d, 2, seqs, [], device, seed=5)
+    one = _Batch(name, d, 2, seqs, [], device, seed=5, single_token_steps=True)
+    done3, done1 = [0] * 4, [0] * 4
+    for step in steps:
+        three.store_step(step, done3)
+        one.store_step(step, done1)
+        for i in range(4):
+            for g_, w_ in zip(read_cached_tokens(one.cache, one.lay, one.bt[i], done1[i]),
+                              read_cached_tokens(three.cache, three.lay, three.bt[i], done3[i])):
+                assert torch.equal(g_, w_)
+        filled_now = [done1[i] == BLOCK and n == 1 for i, n in enumerate(step)]
+        for i, now in enumerate(filled_now):
+            if now:
+                assert (one.sums[i] == 0).all() and three.sums[i].abs().max() > 0
+            else:
+                assert torch.equal(one.sums[i], three.sums[i])
+    assert done1 == seqs and one.sums[[0, 1, 3]].abs().amax(dim=(1, 2, 3)).gt(0).all() and (one.sums[2] == 0).all()
 
 
 def _check(out, lse, ref_out, ref_lse):

@@ -354,6 +354,7 @@ def test_real_series_on_pristine_sources(vllm_wheel, tmp_path):
     tq_attn = (site / "vllm" / "v1" / "attention" / "backends" / "tq_attn.py").read_text()
     assert "def attach_key_centering(" in tq_attn and "skipped = attach_key_centering(model_runner)" in tq_attn
     assert tq_attn.count("**self._centering_args(") == 2 and "centering=self.key_centering," in tq_attn
+    assert "single_token_requests=md.num_prefills == 0," in tq_attn  # decode-only batches: two store launches
     for rel in sorted({fp.path for p in series for fp in p.files if fp.new_path and fp.path.endswith(".py")}):
         compile((site / rel).read_text(), rel, "exec")
 

@@ -181,10 +181,13 @@ def test_mixed_batch(tq_attn, window, block_size):
            f"window={window} block={block_size}")
 
 
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size):
+def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size, decode_only):
     """The context is stored in one step and the batch in the next, each with its own metadata (the
-    forward context's, patched in); keys carry a shared component that the centres remove."""
+    forward context's, patched in); keys carry a shared component that the centres remove. A decode-only
+    batch takes the store's single-token path (sums first, then one pass), including a request whose first
+    page fills in this step."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     fmt, d = "turboquant_k3v4_nc", 128
@@ -195,6 +198,8 @@ def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size):
     impl.key_centering = key_centering_tables(theta, d, block_size, 4096, device=DEVICE)
     # decodes first (the builder's order); the third has no full first page yet
     requests = [(55, 1), (130, 1), (9, 1), (0, 37), (100, 29), (211, 5)]
+    if decode_only:  # the fourth fills its first page with this step's token
+        requests = [(55, 1), (130, 1), (9, 1), (block_size - 1, 1), (211, 1)]
     batch = Batch(requests, num_blocks=64 if block_size == 64 else 256, gen=gen, **kw)
     batch.k_ctx += 4.0  # a shared component (the same in every position: RoPE'd or not, the centres take it)
     nb = batch.block_table.max().item() + 1
@@ -211,13 +216,18 @@ def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size):
     monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
     impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
     md = builder.build(0, batch.cam)
+    assert (md.num_prefills == 0) == decode_only
     monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
     impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
     out = torch.full_like(batch.q, float("nan"))
     impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
     layout = paged_layout(fmt, d, block_size)
     sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
-    assert sums[1].abs().max() > 1.0 and (sums[2] == 0).all() and (sums[3] == 0).all() == (37 < block_size)
+    assert sums[1].abs().max() > 1.0 and (sums[2] == 0).all()
+    if decode_only:  # the backend's sums for the request whose first page filled now are zeros, unused
+        assert sums[3].abs().max() > 1.0 and (md.center_sums[3] == 0).all()
+    else:
+        assert (sums[3] == 0).all() == (37 < block_size)
     _check(out, reference(batch, cache, layout, 0.07, None, impl.key_centering, sums), f"centred block={block_size}")
     plain = reference(batch, cache, layout, 0.07, None)
     assert (plain - out.double()).abs().max() > 0.1  # the centres are really there

@@ -134,15 +134,18 @@ def tq_key_center_sums_kernel(
     KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
     K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
+    BEFORE_STORE: tl.constexpr,
 ):
     """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (zeros until that page is full).
+    ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first page counts
+    once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
 
     Decoded keys of tokens 1..PAGE-1 (natural coordinates, fp32) times POS_COS / POS_SIN [PAGE, D_PAD]
     (cos / sin of t theta per coordinate), averaged; chunks of BN rows in a fixed order, so the result
     is the same bits at every step and in every batch."""
     req = tl.program_id(0)
     head = tl.program_id(1)
-    full = tl.load(SEQ_LENS + req) >= PAGE
+    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
     page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
     base = page * stride_cb + head.to(tl.int64) * stride_ch
     i = tl.arange(0, D_PAD)

@@ -62,6 +62,23 @@ def _fp8_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, rot_scale,
     tl.store(OUT + out_off[:, None] + coord[None, :], code, mask=row_mask[:, None] & valid[None, :])
 
 
+@triton.jit
+def _store_keys(x, k_ok, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
+                k_rot_scale, sqrt_d, D_PAD: tl.constexpr, K_FP8: tl.constexpr,
+                KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+                KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
+                K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr):
+    """Encode key rows x [BN, D_PAD] (rows k_ok) into their slots: fp8 bytes, or MSE indices + fp16 scale."""
+    if K_FP8:
+        _fp8_encode_rows(x.to(tl.float32), k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
+                         k_rot_scale, D_PAD, KG0, KGP0, K_EXACT)
+    else:
+        k_scale = _mse_encode_rows(x, k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, KROT_BF16,
+                                   KLEV0, KBND0, KLEV1, KBND1, k_rot_scale, sqrt_d,
+                                   D_PAD, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT, BN)
+        tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=k_ok)
+
+
 # The token count changes every step, the request count and the metadata pointers with the batch: one variant.
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS"])
 def tq_paged_store_kernel(
@@ -86,7 +103,9 @@ def tq_paged_store_kernel(
     Key centering (``key_centering_jit``) stores a sequence in two passes around the launch that derives
     its centre from the first page: ``CENTER_MODE`` 0: no centering (K and V of every token); 1: V of
     every token, K of first-page tokens (position < PAGE); 2: K of later tokens minus their page's
-    centre, no V. Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata)."""
+    centre, no V; 3: both passes in one, for batches whose centres were derived before the launch (every
+    request has one new token, so no first page fills while a later token of its request is stored).
+    Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata)."""
     tok = tl.program_id(0) * BN + tl.arange(0, BN)
     head = tl.program_id(1)
     tmask = tok < num_tokens
@@ -99,29 +118,27 @@ def tq_paged_store_kernel(
     i = tl.arange(0, D_PAD)
     dmask = ok[:, None] & (i < D)[None, :]
     tok64 = tok.to(tl.int64)
+    key_rows = KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :]
 
-    k_ok = ok
+    k_plain = ok
     if CENTER_MODE > 0:
         req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
-        if CENTER_MODE == 1:
-            k_ok = ok & (pos >= 0) & (pos < PAGE)
-        else:
-            k_ok = ok & (pos >= PAGE)
-    kmask = k_ok[:, None] & (i < D)[None, :]
-    x = tl.load(KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :], mask=kmask, other=0.0)
-    if CENTER_MODE == 2:
+        k_plain = ok & (pos >= 0) & (pos < PAGE)
+    if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
+        x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)
+        _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
+                    k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                    K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+    if CENTER_MODE >= 2:  # later keys minus their page's centre
+        k_later = ok & (pos >= PAGE)
+        x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)
         mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
                                   D_PAD, ROT_HALF, NEOX)
-        pc, ps = _token_page_rows(pos, k_ok, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
+        pc, ps = _token_page_rows(pos, k_later, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
         x = x.to(tl.float32) - (mu * pc + mup * ps)
-    if K_FP8:
-        _fp8_encode_rows(x.to(tl.float32), k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO,
-                         k_rot_scale, D_PAD, KG0, KGP0, K_EXACT)
-    else:
-        k_scale = _mse_encode_rows(x, k_ok, CACHE, base + K_IDX_OFF + off * K_ROW, KROT_HI, KROT_LO, KROT_BF16,
-                                   KLEV0, KBND0, KLEV1, KBND1, k_rot_scale, sqrt_d,
-                                   D_PAD, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT, BN)
-        tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=k_ok)
+        _store_keys(x, k_later, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
+                    k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                    K_IDX_OFF, K_SC_OFF, K_ROW, BN)
     if CENTER_MODE != 2:  # (the second pass writes keys only)
         y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
         v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO, VROT_BF16,

@@ -348,8 +348,9 @@ def tq_key_center_sums(cache: torch.Tensor, layout: PagedTQLayout, centering: Ke
 
 
 def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor, out: torch.Tensor) -> None:
-    """``tq_key_center_sums`` without the checks (the store has made them)."""
+                        seq_lens: torch.Tensor, out: torch.Tensor, before_store: bool = False) -> None:
+    """``tq_key_center_sums`` without the checks (the store has made them). ``before_store``: launched before
+    the step's single tokens per request are stored (a first page counts once full before the step)."""
     num_reqs, num_kv_heads = block_table.shape[0], u8.shape[1]
     if num_reqs == 0:
         return
@@ -360,7 +361,7 @@ def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering,
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens,
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], centering.pos_cos, centering.pos_sin,
         out, out.stride(0), out.stride(1), kc.rot_scale,
-        D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4,
+        D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4, BEFORE_STORE=int(before_store),
         **kt.constexprs("K"), K_IDX_OFF=lc["K_IDX_OFF"], K_SC_OFF=lc["K_SC_OFF"], K_ROW=lc["K_ROW"],
     )
 
@@ -368,14 +369,21 @@ def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering,
 def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
              layout: PagedTQLayout, *, centering: KeyCentering | None = None,
              query_start_loc: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None):
+             block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None,
+             single_token_requests: bool = False):
     """Quantize K/V [T, Hkv, d] and write them into ``cache`` at ``slot_mapping`` [T] (< 0: skipped).
 
     One launch for K and V; no host synchronization. With ``centering`` (``ops.key_centering``) the batch
     metadata is needed too (query_start_loc [R+1], seq_lens [R] including this step's tokens,
     block_table [R, *]: the tokens' requests and positions) and three launches run: V of every token
     and K of first-page tokens; the first pages' sums into ``center_sums`` (``new_center_sums``); K of
-    later tokens minus their page's centre. Returns ``center_sums`` (which attention then reads)."""
+    later tokens minus their page's centre. Returns ``center_sums`` (which attention then reads).
+
+    ``single_token_requests`` (a host fact, e.g. a decode-only batch): every request has at most one new
+    token, so no request stores a later token while its first page fills; the sums are then taken first,
+    from the pages of earlier steps, and K and V are stored in one launch (two instead of three). Same
+    bytes; a request whose first page fills in this very step gets zero sums, which its attention (first
+    page only, stored plain) does not use."""
     _check_kv(key, "key", layout)
     _check_kv(value, "value", layout)
     if value.shape != key.shape:
@@ -419,6 +427,10 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     if centering is None:
         launch(0)
         return None
+    if single_token_requests:
+        _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, before_store=True)
+        launch(3)
+        return center_sums
     launch(1)
     _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums)
     launch(2)
@@ -770,7 +782,8 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
     run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
     its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
-    the centred variants (two store passes, the sums launch, centred attention) are compiled instead."""
+    the centred variants (the store's two passes and its single pass for single-token batches, both sums
+    launches, centred attention) are compiled instead."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
     if not 0 <= block_id < cache.shape[0]:
@@ -784,6 +797,10 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
         tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout, centering=centering,
                  query_start_loc=torch.tensor([0, bs], dtype=torch.int32, device=dev), seq_lens=seq_lens,
                  block_table=block_table, center_sums=sums)
+        # decode-only batches: sums first, then K and V in one pass (the block's last slot again)
+        tq_store(zeros[:1], zeros[:1], cache, torch.full((1,), (block_id + 1) * bs - 1, device=dev), layout,
+                 centering=centering, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                 seq_lens=seq_lens, block_table=block_table, center_sums=sums, single_token_requests=True)
     else:
         tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
     launches = [dict(kernel="store")]
