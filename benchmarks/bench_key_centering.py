@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What key centering costs in the paged kernels, per layer and step (Qwen3-8B heads: 32 query / 8 KV heads,
 head_dim 128, pages of 16): decode attention with and without the centre term, the store of one decode token
-per request (one launch; the three of a centred store; the one of its single-token path, which a decode-only
+per request (one launch; the three of a centred store; the two of its single-token path, which a decode-only
 batch takes), and the sums launch alone. CUDA-graph replay timings
 (median of triton.testing.do_bench), as a serving engine runs decode.
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(report, indent=1))
     if not args.smoke:
         print("| format | batch x context | attention plain ms | centred ms | ratio | store plain ms | "
-              "store centred ms (3 launches) | (single-token path) | sums ms |")
+              "store centred ms (3 launches) | (2 launches) | sums ms |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['format']} | {r['batch']} x {r['context']} | {r['attention_plain_ms']:.4f} | "

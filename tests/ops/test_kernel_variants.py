@@ -173,9 +173,9 @@ def test_warmup_covers_every_centred_serving_variant(case):
     assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
     assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_key_center_sums_kernel", "tq_paged_attention_kernel",
                                    "tq_merge_splits_kernel"}
-    # store (2 passes, and the single-token batches' one with its sums) + sums + decode (2)
+    # store (2 passes, and 1 for single-token batches) + sums (after, before the store) + decode (2)
     # + context (4 shapes x 2) + merge (with and without lse)
-    assert len(res["warm"]) == 4 + 2 + 8 + 2
+    assert len(res["warm"]) == 5 + 2 + 8 + 2
 
 
 @pytest.mark.slow

@@ -126,16 +126,28 @@ def _page_center_logits(w, z, row_scale, start, PAGE_COS16, PAGE_SIN16, num_page
     return g * row_scale[:, None]
 
 
-@triton.jit
-def _first_page_sums(CACHE, CACHE16, base, full, KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale,
-                     D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                     KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-                     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-                     K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr):
-    """(U, V) [D_PAD] fp32 of the first page at byte offset ``base`` (one KV head's region), zeros unless
-    ``full``: decoded keys of tokens 1..PAGE-1 (natural coordinates, fp32) times POS_COS / POS_SIN [PAGE, D_PAD]
-    (cos / sin of t theta per coordinate), averaged; chunks of BN rows in a fixed order, so the result is the
-    same bits at every step, in every batch and in every kernel that calls this."""
+@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS"])
+def tq_key_center_sums_kernel(
+    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
+    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
+    D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
+    BEFORE_STORE: tl.constexpr,
+):
+    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (zeros until that page is full).
+    ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first page counts
+    once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
+
+    Decoded keys of tokens 1..PAGE-1 (natural coordinates, fp32) times POS_COS / POS_SIN [PAGE, D_PAD]
+    (cos / sin of t theta per coordinate), averaged; chunks of BN rows in a fixed order, so the result
+    is the same bits at every step and in every batch."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
+    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
+    base = page * stride_cb + head.to(tl.int64) * stride_ch
     i = tl.arange(0, D_PAD)
     u = tl.zeros((D_PAD,), tl.float32)
     v = tl.zeros((D_PAD,), tl.float32)
@@ -150,28 +162,6 @@ def _first_page_sums(CACHE, CACHE16, base, full, KROT_HI, KROT_LO, KCENT0, KCENT
         ps = tl.load(POS_SIN + t[:, None] * D_PAD + i[None, :])
         u += tl.sum(k * pc, axis=0)
         v += tl.sum(k * ps, axis=0)
-    return u * (1.0 / (PAGE - 1)), v * (1.0 / (PAGE - 1))
-
-
-@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS"])
-def tq_key_center_sums_kernel(
-    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
-    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
-    D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
-):
-    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (``_first_page_sums``; zeros until that
-    page is full), launched after this step's tokens are stored."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    full = tl.load(SEQ_LENS + req) >= PAGE
-    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
-    u, v = _first_page_sums(CACHE, CACHE16, page * stride_cb + head.to(tl.int64) * stride_ch, full, KROT_HI,
-                            KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale, D_PAD, PAGE,
-                            KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-    i = tl.arange(0, D_PAD)
     out = SUMS + req.to(tl.int64) * stride_sr + head * stride_sh
-    tl.store(out + i, u)
-    tl.store(out + D_PAD + i, v)
+    tl.store(out + i, u * (1.0 / (PAGE - 1)))
+    tl.store(out + D_PAD + i, v * (1.0 / (PAGE - 1)))

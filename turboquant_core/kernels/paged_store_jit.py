@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .codec_jit import _mse_encode_rows, _rotate_rows
-from .key_centering_jit import _center_vectors, _first_page_sums, _token_page_rows, _token_positions
+from .key_centering_jit import _center_vectors, _token_page_rows, _token_positions
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _store_keys(x, k_ok, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16,
 
 
 # The token count changes every step, the request count and the metadata pointers with the batch: one variant.
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS", "BLOCK_TABLE", "stride_bt"])
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS"])
 def tq_paged_store_kernel(
     KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
     CACHE, CACHE16, stride_cb, stride_ch,
@@ -88,7 +88,6 @@ def tq_paged_store_kernel(
     VROT_HI, VROT_LO, VROT_BF16, VLEV0, VBND0, VLEV1, VBND1,
     num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
     QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages,
-    BLOCK_TABLE, stride_bt, KCENT0, KCENT1, POS_COS, POS_SIN,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
@@ -99,41 +98,17 @@ def tq_paged_store_kernel(
     BN: tl.constexpr, CENTER_MODE: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
-    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv), or (R, Hkv) in mode 3.
-    Slot < 0: token skipped.
+    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv). Slot < 0: token skipped.
 
     Key centering (``key_centering_jit``) stores a sequence in two passes around the launch that derives
     its centre from the first page: ``CENTER_MODE`` 0: no centering (K and V of every token); 1: V of
     every token, K of first-page tokens (position < PAGE); 2: K of later tokens minus their page's
-    centre, no V; 3: both passes and the centres in one launch, for batches where every request has at most
-    one new token (so no first page fills while a later token of its request is stored): one program per
-    (request, KV head) computes its request's first-page sums (``_first_page_sums``, from pages of earlier
-    steps) into SUMS, where attention reads them, then stores the request's token. Positions come from
-    QUERY_START / SEQ_LENS (vLLM's batch metadata); mode 3 also reads BLOCK_TABLE (first pages), KCENT0/1
-    (key codebooks) and POS_COS / POS_SIN (RoPE rows)."""
+    centre, no V; 3: both passes in one, for batches whose centres were derived before the launch (every
+    request has one new token, so no first page fills while a later token of its request is stored).
+    Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata)."""
+    tok = tl.program_id(0) * BN + tl.arange(0, BN)
     head = tl.program_id(1)
-    if CENTER_MODE == 3:
-        r = tl.program_id(0)
-        q0 = tl.load(QUERY_START + r)
-        nq = tl.load(QUERY_START + r + 1) - q0
-        seq_len = tl.load(SEQ_LENS + r)
-        page0 = tl.load(BLOCK_TABLE + r.to(tl.int64) * stride_bt).to(tl.int64)
-        u, v = _first_page_sums(CACHE, CACHE16, page0 * stride_cb + head * stride_ch, seq_len - nq >= PAGE,
-                                KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale, D_PAD, PAGE,
-                                KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, 16)
-        d_i = tl.arange(0, D_PAD)
-        sums_row = SUMS + r.to(tl.int64) * stride_sr + head * stride_sh
-        tl.store(sums_row + d_i, u)
-        tl.store(sums_row + D_PAD + d_i, v)
-        tl.debug_barrier()  # the centres below read these sums back (CTA-wide visibility of global writes)
-        rows = tl.arange(0, BN)
-        tok = q0 + rows
-        tmask = rows < nq
-        req = tl.zeros_like(rows) + r
-        pos = tl.where(tmask, seq_len - nq + rows, -1)
-    else:
-        tok = tl.program_id(0) * BN + tl.arange(0, BN)
-        tmask = tok < num_tokens
+    tmask = tok < num_tokens
     slot = tl.load(SLOTS + tok, mask=tmask, other=-1).to(tl.int64)
     ok = tmask & (slot >= 0)
     slot = tl.maximum(slot, 0)
@@ -147,8 +122,7 @@ def tq_paged_store_kernel(
 
     k_plain = ok
     if CENTER_MODE > 0:
-        if CENTER_MODE != 3:
-            req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
+        req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
         k_plain = ok & (pos >= 0) & (pos < PAGE)
     if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
         x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)

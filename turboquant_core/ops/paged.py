@@ -348,8 +348,9 @@ def tq_key_center_sums(cache: torch.Tensor, layout: PagedTQLayout, centering: Ke
 
 
 def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering, block_table: torch.Tensor,
-                        seq_lens: torch.Tensor, out: torch.Tensor) -> None:
-    """``tq_key_center_sums`` without the checks (the store has made them)."""
+                        seq_lens: torch.Tensor, out: torch.Tensor, before_store: bool = False) -> None:
+    """``tq_key_center_sums`` without the checks (the store has made them). ``before_store``: launched before
+    the step's single tokens per request are stored (a first page counts once full before the step)."""
     num_reqs, num_kv_heads = block_table.shape[0], u8.shape[1]
     if num_reqs == 0:
         return
@@ -360,7 +361,7 @@ def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering,
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens,
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], centering.pos_cos, centering.pos_sin,
         out, out.stride(0), out.stride(1), kc.rot_scale,
-        D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4,
+        D_PAD=kc.dim_pad, PAGE=layout.block_size, BN=16, num_warps=4, BEFORE_STORE=int(before_store),
         **kt.constexprs("K"), K_IDX_OFF=lc["K_IDX_OFF"], K_SC_OFF=lc["K_SC_OFF"], K_ROW=lc["K_ROW"],
     )
 
@@ -379,10 +380,10 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     later tokens minus their page's centre. Returns ``center_sums`` (which attention then reads).
 
     ``single_token_requests`` (a host fact, e.g. a decode-only batch): every request has at most one new
-    token, so no request stores a later token while its first page fills; one launch then does it all, a
-    program per (request, KV head) deriving its sums from the pages of earlier steps and storing its token.
-    Same bytes and sums; a request whose first page fills in this very step gets zero sums, which its
-    attention (first page only, stored plain) does not use. Tokens outside the requests are not stored."""
+    token, so no request stores a later token while its first page fills; the sums are then taken first,
+    from the pages of earlier steps, and K and V are stored in one launch (two instead of three). Same
+    bytes; a request whose first page fills in this very step gets zero sums, which its attention (first
+    page only, stored plain) does not use."""
     _check_kv(key, "key", layout)
     _check_kv(value, "value", layout)
     if value.shape != key.shape:
@@ -406,23 +407,20 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     klev0, kbnd0, klev1, kbnd1 = kc.encode_tables()
     vlev0, vbnd0, vlev1, vbnd1 = vc.encode_tables()
     bn = 32 if kc.dim_pad <= 128 else 16
+    grid = (triton.cdiv(num_tokens, bn), num_kv_heads)
 
     def launch(mode: int) -> None:
         cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
-        # mode 3: one program per (request, KV head), a 16-row tile of which one row is the request's token
-        grid = (block_table.shape[0], num_kv_heads) if mode == 3 else (triton.cdiv(num_tokens, bn), num_kv_heads)
-        fused = (block_table, block_table.stride(0), kc.centroids[0], kc.centroids[-1], centering.pos_cos,
-                 centering.pos_sin) if mode == 3 else (f16, 0, f16, f16, f16, f16)
         tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),
             kc.rot_hi, kc.rot_lo, kc.rot_bf16, klev0, kbnd0, klev1, kbnd1,
             vc.rot_hi, vc.rot_lo, vc.rot_bf16, vlev0, vbnd0, vlev1, vbnd1,
             num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
-            *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs, *fused,
+            *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs,
             D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
             K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
-            BN=16 if mode == 3 else bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4, **cconst,
+            BN=bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4, **cconst,
             **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
         )
 
@@ -430,8 +428,8 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         launch(0)
         return None
     if single_token_requests:
-        if block_table.shape[0]:
-            launch(3)
+        _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, before_store=True)
+        launch(3)
         return center_sums
     launch(1)
     _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums)
@@ -784,8 +782,8 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
     run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
     its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
-    the centred variants (the store's two passes and its single-token launch, the sums launch, centred
-    attention) are compiled instead."""
+    the centred variants (the store's two passes and its single pass for single-token batches, both sums
+    launches, centred attention) are compiled instead."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
     if not 0 <= block_id < cache.shape[0]:
@@ -799,7 +797,7 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
         tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout, centering=centering,
                  query_start_loc=torch.tensor([0, bs], dtype=torch.int32, device=dev), seq_lens=seq_lens,
                  block_table=block_table, center_sums=sums)
-        # decode-only batches: the sums and K and V in one launch (the block's last slot again)
+        # decode-only batches: sums first, then K and V in one pass (the block's last slot again)
         tq_store(zeros[:1], zeros[:1], cache, torch.full((1,), (block_id + 1) * bs - 1, device=dev), layout,
                  centering=centering, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
                  seq_lens=seq_lens, block_table=block_table, center_sums=sums, single_token_requests=True)
