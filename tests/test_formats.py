@@ -20,6 +20,7 @@ from turboquant_core.rotation import SUPPORTED_HEAD_DIMS
 #   4bit:    K 64 + 2 = 66            + V 66               -> 132
 #   k3v4:    K 128*3/8 + 2 = 50       + V 66               -> 116
 #   3bit:    K 50                     + V 50               -> 100
+#   k4v3:    K 66                     + V 50               -> 116
 #   3p5bit:  K 64*4/8 + 64*3/8 + 2 = 58 + V 58             -> 116
 #   k3v2:    K 50                     + V 128*2/8 + 2 = 34 -> 84
 #   2p5bit:  K 64*3/8 + 64*2/8 + 2 = 42 + V 42             -> 84
@@ -29,6 +30,7 @@ BYTES_D128 = {
     "turboquant_4bit_nc": 132,
     "turboquant_k3v4_nc": 116,
     "turboquant_3bit_nc": 100,
+    "turboquant_k4v3_nc": 116,
     "turboquant_3p5bit_nc": 116,
     "turboquant_k3v2_nc": 84,
     "turboquant_2p5bit_nc": 84,
@@ -39,13 +41,15 @@ STOCK_NAMES = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "t
 
 def test_table_bytes_at_d128():
     assert {n: f.bytes_per_token_per_head(128) for n, f in KV_FORMATS.items()} == BYTES_D128
-    assert [KV_FORMATS[n].bytes_per_token_per_head(128) for n in format_names()] == [194, 132, 116, 100, 116, 84,
-                                                                                      84, 68]
+    assert [KV_FORMATS[n].bytes_per_token_per_head(128) for n in format_names()] == [194, 132, 116, 100, 116, 116,
+                                                                                      84, 84, 68]
 
 
 def test_key_and_value_bytes_at_d128():
     f = get_format("turboquant_k3v4_nc")
     assert (f.key_bytes(128), f.value_bytes(128)) == (50, 66)
+    f = get_format("turboquant_k4v3_nc")
+    assert (f.key_bytes(128), f.value_bytes(128)) == (66, 50)
     f = get_format("turboquant_k8v4")
     assert (f.key_bytes(128), f.value_bytes(128)) == (128, 66)
     assert get_format("turboquant_2p5bit_nc").key.index_bytes(128) == 40
@@ -56,7 +60,8 @@ def test_stock_names_present_with_stock_origin():
         assert n in KV_FORMATS and get_format(n).origin == "stock"
     assert {f.origin for f in KV_FORMATS.values()} == {"stock", "new"}
     assert [n for n, f in KV_FORMATS.items() if f.origin == "new"] == [
-        "turboquant_3p5bit_nc", "turboquant_k3v2_nc", "turboquant_2p5bit_nc", "turboquant_2bit_nc"]
+        "turboquant_k4v3_nc", "turboquant_3p5bit_nc", "turboquant_k3v2_nc", "turboquant_2p5bit_nc",
+        "turboquant_2bit_nc"]
 
 
 def test_stock_bit_meaning():
@@ -120,4 +125,4 @@ def test_table_invariants():
         assert isinstance(f, KVFormat) and f.name == name and name.startswith("turboquant_")
         assert f.packing == PACKING_LAYOUT
         assert name not in RETIRED_FORMATS
-    assert len(set(format_names())) == len(KV_FORMATS) == 8
+    assert len(set(format_names())) == len(KV_FORMATS) == 9

@@ -110,6 +110,8 @@ KV_FORMATS: dict[str, KVFormat] = {
                  "3-bit keys, 4-bit values, norm-corrected"),
         KVFormat("turboquant_3bit_nc", _MSE("mse", 3), _MSE("mse", 3), "stock",
                  "3-bit keys and values, norm-corrected"),
+        KVFormat("turboquant_k4v3_nc", _MSE("mse", 4), _MSE("mse", 3), "new",
+                 "4-bit keys, 3-bit values: the bytes of k3v4 with the bit on the keys (lower KL)"),
         KVFormat("turboquant_3p5bit_nc", _MSE("mse", 3.5), _MSE("mse", 3.5), "new",
                  "3.5-bit keys and values (half the rotated channels at 4, half at 3)"),
         KVFormat("turboquant_k3v2_nc", _MSE("mse", 3), _MSE("mse", 2), "new",

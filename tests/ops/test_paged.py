@@ -269,6 +269,7 @@ DECODE_CASES = [
     ("turboquant_2p5bit_nc", 64, 4, 7, 2),
     ("turboquant_4bit_nc", 128, 4, None, None),
     ("turboquant_2bit_nc", 96, 3, None, 2),
+    ("turboquant_k4v3_nc", 128, 4, None, 2),
 ]
 
 
@@ -294,6 +295,7 @@ def test_decode_attention_hilo_query_meets_the_absolute_lse_tolerance(name, d, g
     ("turboquant_k3v4_nc", 3, None, 1),
     ("turboquant_k8v4", 4, 9, 2),
     ("turboquant_3p5bit_nc", 1, None, 3),
+    ("turboquant_k4v3_nc", 2, None, 1),
 ])
 def test_context_attention_matches_reference(name, group, window, splits, device):
     """Chunk queries after the cached context (non-causal over it), including a request with no
