@@ -41,7 +41,9 @@ from turboquant_core.integrations.transformers_cache import (  # noqa: E402
     key_centering_for_model,
 )
 
-VARIANTS = ("full precision", "k3v4 served", "k3v4 served + sink", "4bit served", "4bit served + sink")
+VARIANTS = ("full precision", "k3v4 served", "k3v4 served + sink", "4bit served", "4bit served + sink",
+            "k4v3 served")
+PRESETS = {"k3v4": "turboquant_k3v4_nc", "4bit": "turboquant_4bit_nc", "k4v3": "turboquant_k4v3_nc"}
 
 
 class SinkCache(TurboQuantCache):
@@ -96,7 +98,7 @@ def main() -> None:
                     c = DynamicCache(config=model.config)
                     lg = model(ids, past_key_values=c).logits[0, -1]
                 else:
-                    preset = "turboquant_k3v4_nc" if name.startswith("k3v4") else "turboquant_4bit_nc"
+                    preset = PRESETS[name.split()[0]]
                     cls = SinkCache if name.endswith("+ sink") else TurboQuantCache
                     c = cls(model.config, preset=preset, key_centering=centering, fresh_full_precision=True)
                     for c0 in range(0, n, args.chunk):
