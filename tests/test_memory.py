@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from turboquant_core.formats import get_format
+from turboquant_core.formats import KV_FORMATS, get_format
 from turboquant_core.memory import GIB, ModelConfigError, kv_shape_from_config, load_config, memory_report
 
 LLAMA_8B = {  # Llama 3.1 8B's attention geometry
@@ -31,7 +31,7 @@ def test_llama_bytes_by_hand():
     assert rows["turboquant_k3v4_nc"]["vs_bf16"] == pytest.approx(512 / 116)
     assert rows["turboquant_k3v4_nc"]["vs_fp8"] == pytest.approx(256 / 116)
     assert rows["turboquant_3bit_nc"]["kv_gib"] == pytest.approx(16 * 100 / 512)
-    assert [r["name"] for r in rep["rows"]][:2] == ["bf16", "fp8"] and len(rep["rows"]) == 10
+    assert [r["name"] for r in rep["rows"]][:2] == ["bf16", "fp8"] and len(rep["rows"]) == 2 + len(KV_FORMATS)
     assert rep["full_layers"] == 32 and rep["windowed_layers"] == 0 and "fits" not in rows["bf16"]
 
 
