@@ -124,21 +124,26 @@ def tq_paged_store_kernel(
     if CENTER_MODE > 0:
         req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
         k_plain = ok & (pos >= 0) & (pos < PAGE)
-    if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
-        x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)
-        _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
-                    k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
-                    K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-    if CENTER_MODE >= 2:  # later keys minus their page's centre
+    if CENTER_MODE >= 2:
         k_later = ok & (pos >= PAGE)
-        x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)
-        mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
-                                  D_PAD, ROT_HALF, NEOX)
-        pc, ps = _token_page_rows(pos, k_later, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
-        x = x.to(tl.float32) - (mu * pc + mup * ps)
-        _store_keys(x, k_later, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
-                    k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
-                    K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+    # Mode 3 runs both key passes in one program; a decode tile usually has rows for one of them only, so a pass
+    # with no row to store is skipped (a run-time branch on the tile) rather than encoded fully masked.
+    if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
+        if CENTER_MODE != 3 or tl.max(k_plain.to(tl.int32), axis=0) > 0:
+            x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)
+            _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
+                        KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                        K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+    if CENTER_MODE >= 2:  # later keys minus their page's centre
+        if CENTER_MODE != 3 or tl.max(k_later.to(tl.int32), axis=0) > 0:
+            x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)
+            mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
+                                      D_PAD, ROT_HALF, NEOX)
+            pc, ps = _token_page_rows(pos, k_later, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
+            x = x.to(tl.float32) - (mu * pc + mup * ps)
+            _store_keys(x, k_later, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
+                        KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                        K_IDX_OFF, K_SC_OFF, K_ROW, BN)
     if CENTER_MODE != 2:  # (the second pass writes keys only)
         y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
         v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO, VROT_BF16,
