@@ -154,6 +154,8 @@ def test_eval_ppl_is_lazy(capsys):
         assert code == 2 and "not part of this installation" in err
     else:
         assert code == 0 and "usage: tq eval-ppl" in out
+        # Both regimes by default (serving first), key centering on with a way to turn it off.
+        assert "default 256,0" in out and "--no-key-centering" in out
 
 
 def test_presets_imports_neither_triton_nor_transformers():

@@ -17,6 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 from turboquant_core.integrations.perplexity import (  # noqa: E402
     add_eval_ppl_arguments,
     evaluate_perplexity,
+    parse_prefill_chunks,
     parse_presets,
     read_text,
     run_eval_ppl,
@@ -166,67 +167,176 @@ def _args(*argv):
     return add_eval_ppl_arguments(argparse.ArgumentParser()).parse_args(list(argv))
 
 
-def test_cli_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
+def _cli_json(tiny_model_dir, tmp_path, *argv, name="ppl.json"):
+    """Run ``tq eval-ppl`` on the tiny model and the test text; (exit code, the JSON report)."""
     text = tmp_path / "text.txt"
     text.write_text(TEXT, encoding="utf-8")
-    out = tmp_path / "res" / "ppl.json"
-    rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets",
-                            "turboquant_k3v4_nc,turboquant_k8v4", "--window", "48", "--windows", "3",
-                            "--device", "cpu", "--json", str(out), "--no-progress", "--skip-layers", "-1"))
+    out = tmp_path / "res" / name
+    rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--device", "cpu",
+                            "--json", str(out), "--no-progress", *argv))
+    return rc, json.loads(out.read_text()) if rc == 0 else None
+
+
+def test_cli_writes_table_and_json(tiny_model_dir, tmp_path, capsys):
+    rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc,turboquant_k8v4",
+                           "--window", "48", "--windows", "3", "--skip-layers", "-1", "--prefill-chunk", "0")
     assert rc == 0
     table = capsys.readouterr().out
     assert "turboquant_k3v4_nc" in table and "turboquant_k8v4" in table and "DynamicCache" in table
-    report = json.loads(out.read_text())
-    assert report["windows"] == 3 and report["window"] == 48 and report["tokens_scored"] == 3 * 47
+    assert table.splitlines()[0].startswith("--prefill-chunk 0, decode:")
+    assert report["windows"] == 3 and report["window"] == 48
     assert report["bos_prepended"] is True and report["skip_layers"] == [-1]
-    assert report["prefill_chunk"] == 0 and report["attention_mode"].startswith("decode:")
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     assert report["transformers"] == transformers.__version__ and report["date"] and report["command"]
-    assert [p["name"] for p in report["presets"]] == ["turboquant_k3v4_nc", "turboquant_k8v4"]
-    for p in report["presets"]:
+    assert report["load_seconds"] >= 0
+    # Per-regime fields live only under "regimes".
+    for old_key in ("prefill_chunk", "attention_mode", "tokens_scored", "baseline", "presets", "eval_seconds",
+                    "eval_cpu_seconds"):
+        assert old_key not in report
+    (regime,) = report["regimes"]
+    assert regime["prefill_chunk"] == 0 and regime["attention_mode"].startswith("decode:")
+    assert regime["tokens_scored"] == regime["baseline"]["tokens"] == 3 * 47
+    assert regime["eval_seconds"] >= 0 and regime["eval_cpu_seconds"] >= 0
+    assert [p["name"] for p in regime["presets"]] == ["turboquant_k3v4_nc", "turboquant_k8v4"]
+    for p in regime["presets"]:
         assert math.isfinite(p["ppl"]) and p["kl_per_token"] > 0 and len(p["window_ppl"]) == 3
 
 
 def test_cli_prefill_chunk(tiny_model_dir, tmp_path, capsys):
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT, encoding="utf-8")
-    out = tmp_path / "ppl.json"
-    rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets", "turboquant_k3v4_nc",
-                            "--window", "48", "--windows", "2", "--prefill-chunk", "16", "--device", "cpu",
-                            "--json", str(out), "--no-progress"))
+    rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc", "--window", "48",
+                           "--windows", "2", "--prefill-chunk", "16")
     assert rc == 0
-    assert "chunked prefill" in capsys.readouterr().err
-    report = json.loads(out.read_text())
-    assert report["prefill_chunk"] == 16 and report["attention_mode"].startswith("chunked prefill:")
-    assert report["tokens_scored"] == 2 * (47 - 16) and report["presets"][0]["tokens"] == 2 * 31
+    captured = capsys.readouterr()
+    assert "chunked prefill" in captured.err and "decode" not in captured.err
+    assert captured.out.splitlines()[0].startswith("--prefill-chunk 16, chunked prefill:")
+    (regime,) = report["regimes"]
+    assert regime["prefill_chunk"] == 16 and regime["attention_mode"].startswith("chunked prefill:")
+    assert regime["tokens_scored"] == 2 * (47 - 16) and regime["presets"][0]["tokens"] == 2 * 31
+
+
+def test_cli_two_regimes_in_the_order_given(tiny_model_dir, tmp_path, capsys):
+    """A list runs one regime per entry on the one loaded model, in order: a heading and a table each."""
+    rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc,turboquant_k8v4",
+                           "--window", "48", "--windows", "2", "--prefill-chunk", "16,0")
+    assert rc == 0
+    captured = capsys.readouterr()
+    headings = [line for line in captured.out.splitlines() if line.startswith("--prefill-chunk ")]
+    assert headings == ["--prefill-chunk 16, chunked prefill: fresh tokens in full precision, earlier chunks "
+                        "compressed (as served; targets 17..47 of each window scored)",
+                        "--prefill-chunk 0, decode: every position attends to quantized K/V, its own included "
+                        "(the strict bound; targets 1..47 of each window scored)"]
+    assert captured.out.count("DynamicCache") == 2 and captured.out.count("turboquant_k8v4") == 2
+    info = [line for line in captured.err.splitlines() if line.startswith("model ")]  # one per regime, in order
+    assert len(info) == 2 and "chunked prefill" in info[0] and "decode" in info[1]
+    chunked, decode = report["regimes"]
+    assert (chunked["prefill_chunk"], decode["prefill_chunk"]) == (16, 0)
+    assert chunked["attention_mode"].startswith("chunked prefill:") and decode["attention_mode"].startswith("decode:")
+    assert chunked["tokens_scored"] == 2 * 31 and decode["tokens_scored"] == 2 * 47
+    for regime in report["regimes"]:
+        assert [p["name"] for p in regime["presets"]] == ["turboquant_k3v4_nc", "turboquant_k8v4"]
+        assert regime["baseline"]["tokens"] == regime["tokens_scored"]
+    # Fresh chunks in full precision are closer to the baseline than the strict bound.
+    assert chunked["presets"][0]["kl_per_token"] < decode["presets"][0]["kl_per_token"]
+
+
+def test_cli_default_is_serving_then_strict(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Default --prefill-chunk 256,0: too long for 48-token windows (the error names the valid range); with
+    windows of 258 the regimes run in the order 256, 0."""
+    assert _args().prefill_chunk == "256,0"
+    rc, _ = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc", "--window", "48")
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "0 (decode mode) or between 1 and window - 2 = 46" in err and "got 256" in err
+    assert "needs --window >= 258" in err
+
+    from turboquant_core.integrations import perplexity
+
+    chunks_run = []
+    real = perplexity.evaluate_perplexity
+
+    def recording(*args, prefill_chunk, **kwargs):
+        chunks_run.append(prefill_chunk)
+        return real(*args, prefill_chunk=prefill_chunk, **kwargs)
+
+    # The test text has 400 words: one window of 258 tokens, scored once per regime.
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", recording)
+    rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_4bit_nc", "--window", "258",
+                           "--windows", "1")
+    assert rc == 0 and chunks_run == [256, 0]
+    assert [r["prefill_chunk"] for r in report["regimes"]] == [256, 0]
+    assert [r["tokens_scored"] for r in report["regimes"]] == [1, 257]
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    ("16,16", "lists 16 twice"),
+    ("0,16,0", "lists 0 twice"),
+    ("16,,0", "empty entry"),
+    ("16,", "empty entry"),
+    ("", "empty entry"),
+    ("16;0", "'16;0' is not an integer"),
+    ("sixteen", "'sixteen' is not an integer"),
+    ("16,47", "got 47"),
+])
+def test_cli_bad_prefill_chunk_list_exits_2(tiny_model_dir, spec, problem, capsys):
+    """Rejected before the model is loaded (a bad --model would otherwise be the error)."""
+    assert run_eval_ppl(_args("--model", "no-such-model", "--window", "48", "--prefill-chunk", spec)) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "0 (decode mode) or between 1 and window - 2 = 46" in err
+    assert "smollm2" not in err
+
+
+def test_parse_prefill_chunks():
+    assert parse_prefill_chunks("256,0", 512) == [256, 0]
+    assert parse_prefill_chunks(" 0 , 7 ", 12) == [0, 7]
+    assert parse_prefill_chunks("0", 2) == [0]
+    with pytest.raises(ValueError, match="window - 2 = 10.*got 11"):
+        parse_prefill_chunks("0,11", 12)
 
 
 def test_cli_key_centering(tiny_model_dir, tmp_path):
-    """--key-centering stores keys as the patched vLLM does; on 48-token windows (16 plain, 32 centred) the
-    3-bit-key scores move and the report says so."""
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT, encoding="utf-8")
-    kls = {}
-    for flag in ((), ("--key-centering",)):
-        out = tmp_path / f"ppl{len(flag)}.json"
-        rc = run_eval_ppl(_args("--model", str(tiny_model_dir), "--text", str(text), "--presets",
-                                "turboquant_k3v4_nc", "--window", "48", "--windows", "2", "--device", "cpu",
-                                "--json", str(out), "--no-progress", *flag))
+    """Key centering is on by default (as the patched vLLM stores keys), off with --no-key-centering; on
+    48-token windows (16 plain, 32 centred) the 3-bit-key scores move, the fp8-key preset runs uncentred and
+    unchanged, and the report says so."""
+    reports = {}
+    for flags in ((), ("--no-key-centering",), ("--key-centering",)):
+        rc, reports[flags] = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc,turboquant_k8v4",
+                                       "--window", "48", "--windows", "2", "--prefill-chunk", "0", *flags,
+                                       name=f"ppl{len(reports)}.json")
         assert rc == 0
-        report = json.loads(out.read_text())
-        assert report["key_centering"] == bool(flag)
-        kls[bool(flag)] = report["presets"][0]["kl_per_token"]
-    assert kls[True] != kls[False] and all(math.isfinite(v) for v in kls.values())
+    default, off, on = reports[()], reports[("--no-key-centering",)], reports[("--key-centering",)]
+    assert default["key_centering"] is True and on["key_centering"] is True and off["key_centering"] is False
+    (k3v4, k8v4), (k3v4_off, k8v4_off) = default["regimes"][0]["presets"], off["regimes"][0]["presets"]
+    assert on["regimes"][0]["presets"][0]["kl_per_token"] == k3v4["kl_per_token"]
+    assert (k3v4["key_centered"], k8v4["key_centered"]) == (True, False)
+    assert not k3v4_off["key_centered"] and not k8v4_off["key_centered"]
+    assert k3v4["kl_per_token"] != k3v4_off["kl_per_token"] and math.isfinite(k3v4["kl_per_token"])
+    assert k8v4["kl_per_token"] == k8v4_off["kl_per_token"] and k8v4["ppl"] == k8v4_off["ppl"]
+
+
+def test_cli_key_centering_without_rope_runs_uncentred(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A model without a rotary embedding is evaluated uncentred, as the patched vLLM serves it, not refused."""
+    from turboquant_core.integrations import transformers_cache
+
+    def no_rope(model, page=16):
+        raise ValueError(f"{type(model).__name__} has no rotary embedding with inv_freq: key centering needs RoPE")
+
+    monkeypatch.setattr(transformers_cache, "key_centering_for_model", no_rope)
+    rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_k3v4_nc", "--window", "48",
+                           "--windows", "1", "--prefill-chunk", "0")
+    assert rc == 0 and "key centering not applied: LlamaForCausalLM has no rotary" in capsys.readouterr().err
+    assert report["key_centering"] is False and report["regimes"][0]["presets"][0]["key_centered"] is False
 
 
 def test_cli_bad_input_is_a_clear_error(tiny_model_dir, capsys):
     assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--presets", "turboquant_5bit")) == 2
     assert "valid formats" in capsys.readouterr().err
-    assert run_eval_ppl(_args("--model", "no-such-model", "--presets", "turboquant_4bit_nc")) == 2
+    assert run_eval_ppl(_args("--model", "no-such-model", "--presets", "turboquant_4bit_nc",
+                              "--prefill-chunk", "0")) == 2
     assert "smollm2-135m-instruct" in capsys.readouterr().err
     for chunk in ("-3", "47"):
         assert run_eval_ppl(_args("--model", str(tiny_model_dir), "--window", "48", "--prefill-chunk", chunk)) == 2
-        assert "between 1 and window - 2 = 46" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "between 1 and window - 2 = 46" in err and "needs --window" not in err
 
 
 def test_bundled_text_and_presets():

@@ -3,17 +3,23 @@
 
 The text is cut into non-overlapping windows of ``--window`` tokens (a leading BOS token is added
 when the tokenizer adds one by default). For each window the baseline is one forward over the whole
-window with a full-precision ``DynamicCache``; each preset runs in one of two attention modes:
+window with a full-precision ``DynamicCache``; each preset runs in each attention regime listed by
+``--prefill-chunk`` (default ``256,0``: the serving regime first, then the strict bound), one table
+and one JSON entry per regime, the model loaded once:
 
-- decode (``--prefill-chunk 0``, the default): one forward over the window with a
-  ``TurboQuantCache``, so every position attends to the quantized keys and values of itself and all
-  earlier positions (what a decode step sees: the strict bound). All positions are scored.
-- chunked prefill (``--prefill-chunk N``): the window is fed in consecutive forwards of N tokens to
-  one ``TurboQuantCache(fresh_full_precision=True)``, so the tokens of a chunk attend to each other
-  in full precision and to earlier chunks through the compressed cache, as in vLLM serving with a
-  TurboQuant KV cache (chunked prefill). Only predictions made at query positions >= N, which have
-  at least the first chunk compressed behind them, are scored (targets N + 1 .. window - 1), for
+- chunked prefill (``--prefill-chunk N``, N > 0): the window is fed in consecutive forwards of N
+  tokens to one ``TurboQuantCache(fresh_full_precision=True)``, so the tokens of a chunk attend to
+  each other in full precision and to earlier chunks through the compressed cache, as in vLLM serving
+  with a TurboQuant KV cache (chunked prefill). Only predictions made at query positions >= N, which
+  have at least the first chunk compressed behind them, are scored (targets N + 1 .. window - 1), for
   the baseline too; N = 256 matches the GPU runs under ``eval/``.
+- decode (``--prefill-chunk 0``): one forward over the window with a ``TurboQuantCache``, so every
+  position attends to the quantized keys and values of itself and all earlier positions (what a
+  decode step sees: the strict bound). All positions are scored.
+
+Keys are stored as the patched vLLM stores them by default (key centering, ``--no-key-centering``
+turns it off): on full-attention layers of a RoPE model with MSE keys; fp8-key presets such as
+``turboquant_k8v4`` store keys as they are, as in vLLM.
 
 Reported per preset, over all scored tokens: perplexity, its change vs the baseline (%), the mean
 KL(baseline || preset) of the next-token distributions (nats/token), and top-1 agreement (how often
@@ -45,6 +51,8 @@ from ..formats import format_names, get_format
 BUNDLED_TEXT = "wikitext2_sample.txt"
 DEFAULT_WINDOW = 512
 DEFAULT_WINDOWS = 8
+# Serving regime first (chunks of 256 as in the vLLM runs under eval/), then the strict decode bound.
+DEFAULT_PREFILL_CHUNKS = "256,0"
 KL_CHUNK_ROWS = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,6 +155,8 @@ class CacheScore:
     name: str
     key: str = "full precision"
     value: str = "full precision"
+    # Whether keys were stored centred (key centering asked for and the preset's keys are MSE, not fp8).
+    key_centered: bool = False
     bytes_per_token_per_head: int | None = None
     compression_vs_bf16: float | None = None
     cache_bytes_per_window: int = 0
@@ -168,14 +178,38 @@ class CacheScore:
             self.top1_agreement = self.top1_agree / self.tokens
 
 
+def valid_prefill_chunks(window: int) -> str:
+    """The valid ``--prefill-chunk`` values for windows of ``window`` tokens, in words."""
+    return f"0 (decode mode) or between 1 and window - 2 = {window - 2}"
+
+
 def check_prefill_chunk(prefill_chunk: int, window: int) -> int:
     """``prefill_chunk`` if valid for windows of ``window`` tokens: 0 (decode) or 1 .. window - 2."""
     if prefill_chunk != 0 and not 1 <= prefill_chunk <= window - 2:
         raise ValueError(
-            f"--prefill-chunk must be 0 (decode mode) or between 1 and window - 2 = {window - 2} "
+            f"--prefill-chunk must be {valid_prefill_chunks(window)} "
             f"(chunked prefill needs at least one scored position after the first chunk); got {prefill_chunk}"
         )
     return prefill_chunk
+
+
+def parse_prefill_chunks(spec: str, window: int) -> list[int]:
+    """The chunk sizes of ``--prefill-chunk`` (``"256,0"``: one regime per entry, in that order), each
+    checked by ``check_prefill_chunk``; empty entries, non-integers and repeats are errors."""
+    valid = f"comma-separated chunk sizes, each {valid_prefill_chunks(window)}, each at most once"
+    chunks: list[int] = []
+    for entry in str(spec).split(","):
+        entry = entry.strip()
+        if not entry:
+            raise ValueError(f"--prefill-chunk {spec!r} has an empty entry; expected {valid}")
+        try:
+            chunk = int(entry)
+        except ValueError:
+            raise ValueError(f"--prefill-chunk {spec!r}: {entry!r} is not an integer; expected {valid}") from None
+        if chunk in chunks:
+            raise ValueError(f"--prefill-chunk {spec!r} lists {chunk} twice; expected {valid}")
+        chunks.append(check_prefill_chunk(chunk, window))
+    return chunks
 
 
 def attention_mode(prefill_chunk: int) -> str:
@@ -183,6 +217,15 @@ def attention_mode(prefill_chunk: int) -> str:
     if prefill_chunk == 0:
         return "decode: every position attends to quantized K/V, its own included"
     return "chunked prefill: fresh tokens in full precision, earlier chunks compressed"
+
+
+def regime_heading(prefill_chunk: int, window: int) -> str:
+    """One line naming a regime and what it scores, printed above its table."""
+    if prefill_chunk == 0:
+        scope = f"the strict bound; targets 1..{window - 1} of each window scored"
+    else:
+        scope = f"as served; targets {prefill_chunk + 1}..{window - 1} of each window scored"
+    return f"--prefill-chunk {prefill_chunk}, {attention_mode(prefill_chunk)} ({scope})"
 
 
 def _kv_bytes(cache) -> int:
@@ -201,7 +244,8 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
     each window to the presets in chunks of N tokens (``fresh_full_precision`` cache) and scores, for
     every cache, only the predictions made at query positions N .. window - 2 (targets N + 1 ..
     window - 1). Valid: 0 or 1 .. window - 2. ``key_centering``: tables from
-    ``transformers_cache.key_centering_for_model`` (the patched vLLM's key encoding), or None.
+    ``transformers_cache.key_centering_for_model`` (the patched vLLM's key encoding), or None; fp8-key
+    presets ignore them (``TurboQuantCache``), recorded per preset as ``key_centered``.
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -246,6 +290,7 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
                     for start in range(0, window, prefill_chunk)
                 ])[first_row:-1]
             score.cache_bytes_per_window = cache.memory_bytes()
+            score.key_centered = cache.key_centering is not None
             d_head = cache.head_dim
             del cache
             # Row chunks: with a 262k vocabulary a full [window, vocab] float32 temporary is ~0.5 GB.
@@ -317,20 +362,22 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="comma-separated layer indices kept in full precision, e.g. 0,-1 (default: none)")
     parser.add_argument("--residual-tokens", type=int, default=0,
                         help="most recent tokens per layer kept in full precision (default 0)")
-    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                        help="0 (default): decode mode, one forward per window in which every position attends to "
-                        "quantized K/V, its own included (the strict bound); all positions scored. N > 0: chunked "
-                        "prefill as in vLLM serving, each window fed in forwards of N tokens that attend to each "
-                        "other in full precision and to earlier chunks compressed; only positions after the first "
-                        "chunk are scored, for the baseline too. 256 matches the vLLM runs under eval/. "
-                        "Valid: 0 or 1 .. window - 2")
+    parser.add_argument("--prefill-chunk", default=DEFAULT_PREFILL_CHUNKS, metavar="N[,N...]",
+                        help="attention regimes to run, one table each, in the order given (default "
+                        f"{DEFAULT_PREFILL_CHUNKS}: serving, then the strict bound). N > 0: chunked prefill as in vLLM "
+                        "serving, each window fed in forwards of N tokens that attend to each other in full precision "
+                        "and to earlier chunks compressed; only positions after the first chunk are scored, for the "
+                        "baseline too; 256 matches the vLLM runs under eval/. 0: decode mode, one forward per window "
+                        "in which every position attends to quantized K/V, its own included (the strict bound); all "
+                        "positions scored. Valid: 0 or 1 .. window - 2, each at most once")
     parser.add_argument("--key-smoothing", action="store_true",
                         help="fold weight-derived key smoothing into the model first (data-free, logits unchanged; "
                              "see turboquant_core.integrations.key_smoothing)")
-    parser.add_argument("--key-centering", action="store_true",
+    parser.add_argument("--key-centering", action=argparse.BooleanOptionalAction, default=True,
                         help="store keys as the patched vLLM does by default (TQ_KEY_CENTERING=1): the first 16 "
                              "tokens plain, later keys minus their page's share of the pre-RoPE key mean derived "
-                             "from those (see turboquant_core.ops.key_centering); MSE-key presets only")
+                             "from those (see turboquant_core.ops.key_centering); MSE-key presets of RoPE models "
+                             "only, fp8-key presets store keys as they are (default: on; --no-key-centering: off)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -352,7 +399,14 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
 
     presets = parse_presets(args.presets)
     skip_layers = parse_layer_list(args.skip_layers)
-    prefill_chunk = check_prefill_chunk(args.prefill_chunk, args.window)
+    try:
+        prefill_chunks = parse_prefill_chunks(args.prefill_chunk, args.window)
+    except ValueError as e:
+        if args.prefill_chunk != DEFAULT_PREFILL_CHUNKS:
+            raise
+        min_window = max(int(n) for n in DEFAULT_PREFILL_CHUNKS.split(",")) + 2
+        raise ValueError(f"{e}; the default --prefill-chunk {DEFAULT_PREFILL_CHUNKS} needs --window >= {min_window}, "
+                         "pass a smaller N or 0 for shorter windows") from None
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     text, text_label = read_text(args.text)
@@ -368,20 +422,38 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
     if args.key_centering:
         from .transformers_cache import key_centering_for_model
 
-        key_centering = key_centering_for_model(loaded.model)
+        try:
+            key_centering = key_centering_for_model(loaded.model)
+        except ValueError as e:
+            # As the patched vLLM does for layers without a plain rotary embedding: run them uncentred.
+            print(f"key centering not applied: {e}", file=sys.stderr)
     windows = token_windows(loaded.tokenizer, text, args.window, args.windows or None)
     dtype_name = str(dtype).removeprefix("torch.")
-    print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
-          f"text {text_label}: {len(windows)} windows x {args.window} tokens; {attention_mode(prefill_chunk)}"
-          + (f" (chunks of {prefill_chunk}, scoring targets {prefill_chunk + 1}..{args.window - 1} of each window)"
-             if prefill_chunk else ""), file=sys.stderr)
 
-    t1, cpu1 = time.perf_counter(), time.process_time()
-    baseline, scores = evaluate_perplexity(loaded.model, windows, presets, skip_layers=skip_layers,
-                                           residual_tokens=args.residual_tokens, prefill_chunk=prefill_chunk,
-                                           progress=not args.no_progress, key_centering=key_centering)
-    eval_s, eval_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
-    print(format_table(baseline, scores))
+    regimes = []
+    for regime_index, prefill_chunk in enumerate(prefill_chunks):
+        print(f"model {args.model} ({loaded.source}), {loaded.model.config.model_type}, {device} {dtype_name}; "
+              f"text {text_label}: {len(windows)} windows x {args.window} tokens; {attention_mode(prefill_chunk)}"
+              + (f" (chunks of {prefill_chunk}, scoring targets {prefill_chunk + 1}..{args.window - 1} of each "
+                 "window)" if prefill_chunk else ""), file=sys.stderr)
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        baseline, scores = evaluate_perplexity(loaded.model, windows, presets, skip_layers=skip_layers,
+                                               residual_tokens=args.residual_tokens, prefill_chunk=prefill_chunk,
+                                               progress=not args.no_progress, key_centering=key_centering)
+        eval_s, eval_cpu_s = time.perf_counter() - t1, time.process_time() - cpu1
+        if regime_index:
+            print()
+        print(regime_heading(prefill_chunk, args.window))
+        print(format_table(baseline, scores), flush=True)
+        regimes.append({
+            "prefill_chunk": prefill_chunk,
+            "attention_mode": attention_mode(prefill_chunk),
+            "tokens_scored": baseline.tokens,
+            "eval_seconds": round(eval_s, 1),
+            "eval_cpu_seconds": round(eval_cpu_s, 1),  # process CPU time, all threads
+            "baseline": asdict(baseline),
+            "presets": [asdict(s) for s in scores],
+        })
 
     if args.json:
         cfg = loaded.model.config.get_text_config(decoder=True)
@@ -397,9 +469,6 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
             "window": args.window,
             "windows": len(windows),
             "bos_prepended": leading_bos(loaded.tokenizer) is not None,
-            "prefill_chunk": prefill_chunk,
-            "attention_mode": attention_mode(prefill_chunk),
-            "tokens_scored": baseline.tokens,
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(),
@@ -409,17 +478,15 @@ def _run_eval_ppl(args: argparse.Namespace) -> int:
             "skip_layers": skip_layers,
             "residual_tokens": args.residual_tokens,
             "key_smoothing": bool(args.key_smoothing),
-            "key_centering": bool(args.key_centering),
+            # Whether the centering tables were built (asked for and the model has RoPE); per preset: key_centered.
+            "key_centering": key_centering is not None,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": getattr(args, "command_line", None) or _command_line(),
             "load_seconds": round(load_s, 1),
-            "eval_seconds": round(eval_s, 1),
-            "eval_cpu_seconds": round(eval_cpu_s, 1),  # process CPU time, all threads
-            "baseline": asdict(baseline),
-            "presets": [asdict(s) for s in scores],
+            "regimes": regimes,  # one per --prefill-chunk entry, in the order run
         }
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
