@@ -126,11 +126,101 @@ def _field_pair(word, TABLE2, j: tl.constexpr, B: tl.constexpr, four, ASM_LOOKUP
 
 
 @triton.jit
+def _table_bytes(TABLE, FIRST: tl.constexpr, HIGH: tl.constexpr):
+    """One word of 4 bytes: the low (or, with HIGH, the high) byte of fp16 entries FIRST..FIRST+3 of TABLE."""
+    w = tl.zeros((), tl.int32)
+    for e in tl.static_range(4):
+        bits = tl.load(TABLE + FIRST + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if HIGH:
+            bits = bits >> 8
+        else:
+            bits = bits & 0xFF
+        w = w | (bits << (8 * e))
+    return w
+
+
+@triton.jit
+def _codebook_bytes(TABLE, B: tl.constexpr):
+    """A b-bit fp16 codebook (2**b <= 16 entries) as byte-permute tables, computed once per program:
+    (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3), where lo_k / hi_k hold the low / high bytes of entries
+    4k..4k+3 (words a codebook does not reach repeat lo0 / hi0)."""
+    lo0 = _table_bytes(TABLE, 0, False)
+    hi0 = _table_bytes(TABLE, 0, True)
+    lo1 = lo0
+    hi1 = hi0
+    lo2 = lo0
+    hi2 = hi0
+    lo3 = lo0
+    hi3 = hi0
+    if B >= 3:
+        lo1 = _table_bytes(TABLE, 4, False)
+        hi1 = _table_bytes(TABLE, 4, True)
+    if B == 4:
+        lo2 = _table_bytes(TABLE, 8, False)
+        hi2 = _table_bytes(TABLE, 8, True)
+        lo3 = _table_bytes(TABLE, 12, False)
+        hi3 = _table_bytes(TABLE, 12, True)
+    return (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3)
+
+
+@triton.jit
+def _nibble_fields(word, B: tl.constexpr):
+    """A word of 8 b-bit fields (b = 2, 3, 4) -> the same fields one per nibble (field j in bits 4j..4j+3),
+    the selector layout of ``prmt``: three shift-and-mask steps spread the fields in halves, pairs, singles."""
+    if B == 4:
+        return word
+    elif B == 3:
+        x = (word & 0xFFF) | ((word & 0xFFF000) << 4)
+        x = (x & 0x003F003F) | ((x & 0x0FC00FC0) << 2)
+        return (x & 0x07070707) | ((x & 0x38383838) << 1)
+    else:
+        x = (word & 0xFF) | ((word & 0xFF00) << 8)
+        x = (x & 0x000F000F) | ((x & 0x00F000F0) << 4)
+        return (x & 0x03030303) | ((x & 0x0C0C0C0C) << 2)
+
+
+@triton.jit
+def _permute_lookup4(sel, cb, B: tl.constexpr):
+    """Codebook values of the four fields in nibbles 0-3 of ``sel``, looked up in registers.
+
+    ``prmt`` picks any 4 of the 8 bytes of two registers, one 4-bit selector per output byte, so one
+    instruction fetches the low bytes of four entries of an 8-entry table and one more their high bytes;
+    two more interleave them into two fp16 pairs. 16-entry codebooks (4 bits) look up both halves and
+    pick per byte with the field's top bit. The codebook never leaves registers: no L1 load, whose
+    gathers from a shared table were the attention kernel's busiest unit (Nsight Compute on an H200)."""
+    if B == 4:
+        a, b, c, d = tl.inline_asm_elementwise(
+            "{ .reg .b32 s, m, l0, l1, h0, h1, l, h, p, q; "
+            "and.b32 s, $4, 0x7777; shr.b32 m, $4, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
+            "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
+            "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
+            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
+            "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+            [sel, cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7]],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
+    else:
+        a, b, c, d = tl.inline_asm_elementwise(
+            "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
+            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
+            "=h,=h,=h,=h,r,r,r,r,r",
+            [sel, cb[0], cb[1], cb[4], cb[5]],
+            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
+    return (a.to(tl.float16, bitcast=True), b.to(tl.float16, bitcast=True), c.to(tl.float16, bitcast=True),
+            d.to(tl.float16, bitcast=True))
+
+
+@triton.jit
 def _dequant_words(word, TABLE, TABLE2, two, four, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
-                   PAIRS: tl.constexpr, ASM_LOOKUP: tl.constexpr):
+                   PAIRS: tl.constexpr, ASM_LOOKUP: tl.constexpr, cb, PERMUTE: tl.constexpr):
     """[BN, GP] words -> [BN, 8*GP] fp16 codebook values in kernel order (position g*8 + r holds field
-    bitrev3(r)); the joins and the reshape only rename registers. ``PAIRS``: one load per two fields."""
-    if PAIRS:
+    bitrev3(r)); the joins and the reshape only rename registers. ``PERMUTE``: register lookups from
+    ``cb`` (``_codebook_bytes``; 2- to 4-bit codebooks, GPU only); else ``PAIRS``: one load per two
+    fields, or one load per field."""
+    if PERMUTE and B >= 2:
+        x = _nibble_fields(word, B)
+        f0, f1, f2, f3 = _permute_lookup4(x, cb, B)
+        f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B)
+    elif PAIRS:
         f0, f1 = _field_pair(word, TABLE2, 0, B, four, ASM_LOOKUP)
         f2, f3 = _field_pair(word, TABLE2, 2, B, four, ASM_LOOKUP)
         f4, f5 = _field_pair(word, TABLE2, 4, B, four, ASM_LOOKUP)
@@ -169,7 +259,8 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
                  K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
                  K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_HILO: tl.constexpr,
                  ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr,
-                 cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER: tl.constexpr):
+                 cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER: tl.constexpr,
+                 kcb0, kcb1, vcb0, vcb1, PERMUTE: tl.constexpr):
     """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then
     scores, online-softmax update and the rotated-domain V accumulation."""
     t = start + tl.arange(0, BLOCK_N)
@@ -200,10 +291,10 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
         s = _qdot(qk0h, qk0l, kb.to(tl.float8e4nv, bitcast=True).to(tl.float16), Q_HILO)
     else:
         s = _qdot(qk0h, qk0l, _dequant_words(kw0, KC0, KP0, two, four, BLOCK_N, KGP0, KB0, KB0 <= PAIR_BITS,
-                                                   ASM_LOOKUP), Q_HILO)
+                                                   ASM_LOOKUP, kcb0, PERMUTE), Q_HILO)
         if KG1 > 0:
             s += _qdot(qk1h, qk1l, _dequant_words(kw1, KC1, KP1, two, four, BLOCK_N, KGP1, KB1,
-                                                         KB1 <= PAIR_BITS, ASM_LOOKUP), Q_HILO)
+                                                         KB1 <= PAIR_BITS, ASM_LOOKUP, kcb1, PERMUTE), Q_HILO)
         s = s * k_scale.to(tl.float32)[None, :]
         if CENTER:
             s += _page_center_logits(cw, cz, c_scale, start, PAGE_COS16, PAGE_SIN16, num_pages,
@@ -222,10 +313,10 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
     # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
     pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
     acc0 = acc0 * alpha[:, None] + tl.dot(pv, _dequant_words(vw0, VC0, VP0, two, four, BLOCK_N, VGP0, VB0,
-                                                                    VB0 <= PAIR_BITS, ASM_LOOKUP))
+                                                                    VB0 <= PAIR_BITS, ASM_LOOKUP, vcb0, PERMUTE))
     if VG1 > 0:
         acc1 = acc1 * alpha[:, None] + tl.dot(pv, _dequant_words(vw1, VC1, VP1, two, four, BLOCK_N, VGP1, VB1,
-                                                                        VB1 <= PAIR_BITS, ASM_LOOKUP))
+                                                                        VB1 <= PAIR_BITS, ASM_LOOKUP, vcb1, PERMUTE))
     return m_new, l_i, acc0, acc1
 
 
@@ -255,6 +346,7 @@ def tq_paged_attention_kernel(
     SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     WRITE_LSE: tl.constexpr, WHILE_LOOP: tl.constexpr, Q_HILO: tl.constexpr, ASM_LOOKUP: tl.constexpr,
     PAIR_BITS: tl.constexpr, CENTER: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
+    PERMUTE_LOOKUP: tl.constexpr,
 ):
     """Grid (query blocks, Hkv, num_splits). ``qk_scale`` = softmax_scale * log2(e) * rot_scale(K).
 
@@ -328,6 +420,20 @@ def tq_paged_attention_kernel(
         cz = qk0h
         c_scale = row_valid
 
+    # Register codebooks for the byte-permute lookups (``_permute_lookup4``), once per program.
+    kcb0 = two
+    kcb1 = two
+    vcb0 = two
+    vcb1 = two
+    if PERMUTE_LOOKUP:
+        if not K_FP8:
+            kcb0 = _codebook_bytes(KC0, KB0)
+            if KG1 > 0:
+                kcb1 = _codebook_bytes(KC1, KB1)
+        vcb0 = _codebook_bytes(VC0, VB0)
+        if VG1 > 0:
+            vcb1 = _codebook_bytes(VC1, VB1)
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc0 = tl.zeros((BLOCK_M, 8 * VGP0), tl.float32)
@@ -348,7 +454,8 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
+                kcb0, kcb1, vcb0, vcb1, PERMUTE_LOOKUP)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -358,7 +465,8 @@ def tq_paged_attention_kernel(
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
                 K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER)
+                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
+                kcb0, kcb1, vcb0, vcb1, PERMUTE_LOOKUP)
 
     # Normalize, then inverse V rotation once. Rows are scaled to max |y| = 1 first so the fp16
     # hi/lo operands of the rotation product stay in range whatever the value norms.

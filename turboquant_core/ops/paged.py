@@ -575,6 +575,9 @@ class TQAttentionConfig:
     # alone already keeps 3 more mantissa bits than the bf16 query it comes from, far below the key error
     asm_lookup: bool = True  # codebook lookup as an elementwise PTX load (GPU only; ignored when interpreting)
     pair_bits: int = 4  # segments of at most this many bits look up two indices per load (table 2**(2b) x 4 B)
+    # 2- to 4-bit codebooks looked up in registers with byte permutes (GPU only; with asm_lookup): no L1 load
+    # per value. Off: the L1 loads above.
+    permute_lookup: bool = True
     maxnreg: int = 0  # register cap per thread, GPU only (0: 128 for decode-sized blocks, else none)
 
 
@@ -754,6 +757,7 @@ class TQAttentionPlan:
             K_FP8=lay.key_is_fp8, SPLIT=s > 1, ONE_QBLOCK=self.one_qblock, CAUSAL=self.causal,
             HAS_WINDOW=self.sliding_window is not None, WRITE_LSE=write_lse, WHILE_LOOP=_interpreting(),
             Q_HILO=cfg.q_hilo, ASM_LOOKUP=cfg.asm_lookup and not _interpreting(), PAIR_BITS=cfg.pair_bits,
+            PERMUTE_LOOKUP=cfg.asm_lookup and cfg.permute_lookup and not _interpreting(),
             CENTER=centering is not None, **cconst, num_warps=self.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}),
             **kt.constexprs("K", lay.key_is_fp8), **vt.constexprs("V"), **lay.kernel_constexprs(),
