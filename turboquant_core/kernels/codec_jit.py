@@ -20,6 +20,8 @@ import os
 import triton
 import triton.language as tl
 
+from .codebook_lookup_jit import _codebook_bytes, _dequant_words, _load_words
+
 # Read when the kernels are defined, as Triton itself reads it (tests set it before importing them).
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -289,13 +291,37 @@ def _unrotate_segment(c, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.conste
 
 
 @triton.jit
+def _permuted_segment(IN, row_off, row_mask, byte0, CENT, G: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
+                      BN: tl.constexpr):
+    """A segment's codebook values [BN, 8*GP] fp32 in kernel order, looked up by byte permutes (fp16 values;
+    the interpreter, which cannot run PTX, loads the same values)."""
+    word = _load_words(IN, row_off, row_mask, byte0, G, GP, B)
+    if INTERPRETING:
+        c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, False, 0, False)
+    else:
+        c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, True, _codebook_bytes(CENT, B), True)
+    return c.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD: tl.constexpr,
                      G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
                      G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-                     EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr):
+                     EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr,
+                     PERMUTE: tl.constexpr):
     """Packed indices at IN[row_off + ...] -> R^T c[idx], [BN, D_PAD] fp32, before the per-row scale.
-    Shared by ``tq_mse_decode_kernel`` and the paged gather-dequant. ``HI_ONLY``: the inverse rotation as
-    one fp16 product (``_unrotate_rows_hi``; D_PAD <= 256)."""
+    Shared by ``tq_mse_decode_kernel``, the paged gather-dequant and the key-centering sums. ``HI_ONLY``: the
+    inverse rotation as one fp16 product (``_unrotate_rows_hi``; D_PAD <= 256). ``PERMUTE`` (GPU only, 2- to
+    4-bit segments): codebook values by byte permutes in registers (``codebook_lookup_jit``), as fp16, and
+    ROT_* rows in kernel order (``rotation_tables.kernel_order_rotation``); otherwise gathered per index
+    from the fp32 codebooks, rows in the codec's order."""
+    if PERMUTE:
+        x = _unrotate_segment(_permuted_segment(IN, row_off, row_mask, 0, CENT0, G0, GP0, B0, BN), ROT_HI, ROT_LO,
+                              0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)
+        if G1 > 0:
+            x += _unrotate_segment(_permuted_segment(IN, row_off, row_mask, B0 * G0, CENT1, G1, GP1, B1, BN),
+                                   ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT, HI_ONLY)
+        return x
     idx0 = _load_unpack(IN, row_off, row_mask, 0, BN, G0, GP0, B0)
     x = _unrotate_segment(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)
     if G1 > 0:
@@ -311,7 +337,7 @@ def tq_mse_decode_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr,
     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-    EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr,
+    EXACT_ROT: tl.constexpr, BN: tl.constexpr, HI_ONLY: tl.constexpr, PERMUTE: tl.constexpr,
 ):
     """Packed indices [N, bytes] + fp16 scale [N] -> vectors [N, D] in OUT's dtype.
 
@@ -323,7 +349,7 @@ def tq_mse_decode_kernel(
     scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32) * rot_scale
 
     x = _mse_decode_rows(IN, in_off, rmask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD, G0, GP0, B0, G1, GP1, B1,
-                         EXACT_ROT, BN, HI_ONLY) * scale[:, None]
+                         EXACT_ROT, BN, HI_ONLY, PERMUTE) * scale[:, None]
     i = tl.arange(0, D_PAD)
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + i[None, :], x.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & (i < D)[None, :])

@@ -156,7 +156,8 @@ def tq_key_center_sums_kernel(
         ok = (t >= 1) & full
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + t, mask=ok, other=0.0).to(tl.float32)
         k = _mse_decode_rows(CACHE, base + K_IDX_OFF + t * K_ROW, ok, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD,
-                             KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, BN, False) * (k_scale * k_rot_scale)[:, None]
+                             KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, BN, False, False)
+        k = k * (k_scale * k_rot_scale)[:, None]
         k = tl.where(ok[:, None], k, 0.0)
         pc = tl.load(POS_COS + t[:, None] * D_PAD + i[None, :])
         ps = tl.load(POS_SIN + t[:, None] * D_PAD + i[None, :])

@@ -13,13 +13,9 @@ Math (TurboQuant identity x_hat = R^T (scale * c[idx])):
 - values: acc += p * v_scale * c_V[idx] stays in the V-rotated domain; the output is R_V^T acc,
           computed once per program at the end (linear, so split partials can be merged afterwards).
 
-Kernel coordinate order. A planar8 segment of b-bit indices has G groups of 8 (GP = G padded to a
-power of two); group g's b bytes (one per byte plane) form a word whose b-bit field j is rotated
-coordinate j*G + g. A thread loads the planes of a [BLOCK_N, GP] tile, merges them into words,
-expands each word with 8 constant shifts and joins the 8 results in registers: the tile's position
-g*8 + r then holds field j = bitrev3(r). The rotation rows given to this kernel are permuted to that
-same order (``ops.paged``, zero rows for padded groups), so no data moves between threads and the
-rotated query lines up with the tile. fp8 keys use the natural coordinate order.
+Kernel coordinate order: the tiles of ``codebook_lookup_jit`` (position g*8 + r holds field bitrev3(r) of
+packed group g); the rotation rows given to this kernel are permuted to that order (``ops.paged``, zero rows
+for padded groups), so the rotated query lines up with the tile. fp8 keys use the natural coordinate order.
 
 Tiles are dequantized in registers to fp16 (codebook values < 3, fp8 values < 448: both exact or
 within fp16 rounding) and multiplied on tensor cores with fp32 accumulation; softmax runs online in
@@ -38,6 +34,7 @@ and not specialized, so CUDA-graph capture at many batch sizes reuses one compil
 import triton
 import triton.language as tl
 
+from .codebook_lookup_jit import _codebook_bytes, _dequant_words, _load_words
 from .codec_jit import _mse_decode_rows, _rotate_rows, _split_f16, _unrotate_rows
 from .key_centering_jit import _center_query_operands, _center_vectors, _page_center_logits, _token_page_rows
 
@@ -54,188 +51,6 @@ def _find_request(QUERY_START, num_reqs, qblock, QPB: tl.constexpr):
         right = tl.where(val <= qblock, right, mid)
     req = left - 1
     return req, qblock - (tl.load(QUERY_START + req) // QPB + req)
-
-
-@triton.jit
-def _load_words(IN, row_off, row_mask, byte0, G: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
-    """[BN, GP] uint32 words of one planar8 segment: byte plane k of group g is bits 8k..8k+7."""
-    g = tl.arange(0, GP)
-    m = row_mask[:, None]
-    if G < GP:
-        m = m & (g < G)[None, :]
-    ptr = IN + row_off[:, None] + byte0 + g[None, :]
-    word = tl.load(ptr, mask=m, other=0).to(tl.uint32)
-    for k in tl.static_range(1, B):
-        word |= tl.load(ptr + k * G, mask=m, other=0).to(tl.uint32) << (8 * k)
-    return word
-
-
-@triton.jit
-def _lookup(TABLE, idx, two, ASM_LOOKUP: tl.constexpr):
-    """Codebook values TABLE[idx] as fp16, keeping idx's register layout.
-
-    A ``tl.load`` gather gets its own layout from the compiler (a shared-memory round trip of the
-    pointer tile) plus 64-bit pointer arithmetic; the inline PTX is a wide multiply-add (``two`` is a
-    run-time 2, so ptxas keeps an IMAD.WIDE rather than a shift pair) and one cached load, and is
-    elementwise, so the tile stays in place. (The interpreter cannot run PTX: ``tl.load`` path.)"""
-    if ASM_LOOKUP:
-        v = tl.inline_asm_elementwise(
-            "{ .reg .b64 a; mad.wide.u32 a, $1, $2, $3; ld.global.nc.b16 $0, [a]; }", "=h,r,r,l",
-            [idx, two, TABLE.to(tl.int64)], dtype=tl.int16, is_pure=True, pack=1)
-        return v.to(tl.float16, bitcast=True)
-    else:
-        return tl.load(TABLE + idx)
-
-
-@triton.jit
-def _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP: tl.constexpr):
-    """Two codebook values per load: TABLE2 holds, for every pair (a, b) of b-bit indices packed as
-    a | b << b, the fp16 pair (c[a], c[b]). Returns (c[a], c[b])."""
-    if ASM_LOOKUP:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b64 a; .reg .b32 r; mad.wide.u32 a, $2, $3, $4; ld.global.nc.b32 r, [a]; "
-            "mov.b32 {$0, $1}, r; }", "=h,=h,r,r,l",
-            [idx2, four, TABLE2.to(tl.int64)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
-    else:
-        return tl.load(TABLE2 + 2 * idx2), tl.load(TABLE2 + 2 * idx2 + 1)
-
-
-@triton.jit
-def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr, two, ASM_LOOKUP: tl.constexpr):
-    """Codebook value of b-bit field j of every word (fields above 8b bits are zero: no mask for j=7)."""
-    if j == 0:
-        idx = word & ((1 << B) - 1)
-    elif j == 7:
-        idx = word >> (B * j)
-    else:
-        idx = (word >> (B * j)) & ((1 << B) - 1)
-    return _lookup(TABLE, idx, two, ASM_LOOKUP)
-
-
-@triton.jit
-def _field_pair(word, TABLE2, j: tl.constexpr, B: tl.constexpr, four, ASM_LOOKUP: tl.constexpr):
-    """Codebook values of fields j and j+1 of every word, one load for both."""
-    if j == 0:
-        idx2 = word & ((1 << (2 * B)) - 1)
-    elif j == 6:
-        idx2 = word >> (B * j)
-    else:
-        idx2 = (word >> (B * j)) & ((1 << (2 * B)) - 1)
-    return _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP)
-
-
-@triton.jit
-def _table_bytes(TABLE, FIRST: tl.constexpr, HIGH: tl.constexpr):
-    """One word of 4 bytes: the low (or, with HIGH, the high) byte of fp16 entries FIRST..FIRST+3 of TABLE."""
-    w = tl.zeros((), tl.int32)
-    for e in tl.static_range(4):
-        bits = tl.load(TABLE + FIRST + e).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        if HIGH:
-            bits = bits >> 8
-        else:
-            bits = bits & 0xFF
-        w = w | (bits << (8 * e))
-    return w
-
-
-@triton.jit
-def _codebook_bytes(TABLE, B: tl.constexpr):
-    """A b-bit fp16 codebook (2**b <= 16 entries) as byte-permute tables, computed once per program:
-    (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3), where lo_k / hi_k hold the low / high bytes of entries
-    4k..4k+3 (words a codebook does not reach repeat lo0 / hi0)."""
-    lo0 = _table_bytes(TABLE, 0, False)
-    hi0 = _table_bytes(TABLE, 0, True)
-    lo1 = lo0
-    hi1 = hi0
-    lo2 = lo0
-    hi2 = hi0
-    lo3 = lo0
-    hi3 = hi0
-    if B >= 3:
-        lo1 = _table_bytes(TABLE, 4, False)
-        hi1 = _table_bytes(TABLE, 4, True)
-    if B == 4:
-        lo2 = _table_bytes(TABLE, 8, False)
-        hi2 = _table_bytes(TABLE, 8, True)
-        lo3 = _table_bytes(TABLE, 12, False)
-        hi3 = _table_bytes(TABLE, 12, True)
-    return (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3)
-
-
-@triton.jit
-def _nibble_fields(word, B: tl.constexpr):
-    """A word of 8 b-bit fields (b = 2, 3, 4) -> the same fields one per nibble (field j in bits 4j..4j+3),
-    the selector layout of ``prmt``: three shift-and-mask steps spread the fields in halves, pairs, singles."""
-    if B == 4:
-        return word
-    elif B == 3:
-        x = (word & 0xFFF) | ((word & 0xFFF000) << 4)
-        x = (x & 0x003F003F) | ((x & 0x0FC00FC0) << 2)
-        return (x & 0x07070707) | ((x & 0x38383838) << 1)
-    else:
-        x = (word & 0xFF) | ((word & 0xFF00) << 8)
-        x = (x & 0x000F000F) | ((x & 0x00F000F0) << 4)
-        return (x & 0x03030303) | ((x & 0x0C0C0C0C) << 2)
-
-
-@triton.jit
-def _permute_lookup4(sel, cb, B: tl.constexpr):
-    """Codebook values of the four fields in nibbles 0-3 of ``sel``, looked up in registers.
-
-    ``prmt`` picks any 4 of the 8 bytes of two registers, one 4-bit selector per output byte, so one
-    instruction fetches the low bytes of four entries of an 8-entry table and one more their high bytes;
-    two more interleave them into two fp16 pairs. 16-entry codebooks (4 bits) look up both halves and
-    pick per byte with the field's top bit. The codebook never leaves registers: no L1 load, whose
-    gathers from a shared table were the attention kernel's busiest unit (Nsight Compute on an H200)."""
-    if B == 4:
-        a, b, c, d = tl.inline_asm_elementwise(
-            "{ .reg .b32 s, m, l0, l1, h0, h1, l, h, p, q; "
-            "and.b32 s, $4, 0x7777; shr.b32 m, $4, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
-            "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
-            "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
-            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
-            "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
-            [sel, cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7]],
-            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
-    else:
-        a, b, c, d = tl.inline_asm_elementwise(
-            "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
-            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
-            "=h,=h,=h,=h,r,r,r,r,r",
-            [sel, cb[0], cb[1], cb[4], cb[5]],
-            dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
-    return (a.to(tl.float16, bitcast=True), b.to(tl.float16, bitcast=True), c.to(tl.float16, bitcast=True),
-            d.to(tl.float16, bitcast=True))
-
-
-@triton.jit
-def _dequant_words(word, TABLE, TABLE2, two, four, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
-                   PAIRS: tl.constexpr, ASM_LOOKUP: tl.constexpr, cb, PERMUTE: tl.constexpr):
-    """[BN, GP] words -> [BN, 8*GP] fp16 codebook values in kernel order (position g*8 + r holds field
-    bitrev3(r)); the joins and the reshape only rename registers. ``PERMUTE``: register lookups from
-    ``cb`` (``_codebook_bytes``; 2- to 4-bit codebooks, GPU only); else ``PAIRS``: one load per two
-    fields, or one load per field."""
-    if PERMUTE and B >= 2:
-        x = _nibble_fields(word, B)
-        f0, f1, f2, f3 = _permute_lookup4(x, cb, B)
-        f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B)
-    elif PAIRS:
-        f0, f1 = _field_pair(word, TABLE2, 0, B, four, ASM_LOOKUP)
-        f2, f3 = _field_pair(word, TABLE2, 2, B, four, ASM_LOOKUP)
-        f4, f5 = _field_pair(word, TABLE2, 4, B, four, ASM_LOOKUP)
-        f6, f7 = _field_pair(word, TABLE2, 6, B, four, ASM_LOOKUP)
-    else:
-        f0 = _field(word, TABLE, 0, B, two, ASM_LOOKUP)
-        f1 = _field(word, TABLE, 1, B, two, ASM_LOOKUP)
-        f2 = _field(word, TABLE, 2, B, two, ASM_LOOKUP)
-        f3 = _field(word, TABLE, 3, B, two, ASM_LOOKUP)
-        f4 = _field(word, TABLE, 4, B, two, ASM_LOOKUP)
-        f5 = _field(word, TABLE, 5, B, two, ASM_LOOKUP)
-        f6 = _field(word, TABLE, 6, B, two, ASM_LOOKUP)
-        f7 = _field(word, TABLE, 7, B, two, ASM_LOOKUP)
-    c = tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)), tl.join(tl.join(f4, f5), tl.join(f6, f7)))
-    return tl.reshape(c, (BN, 8 * GP))
 
 
 @triton.jit
@@ -540,9 +355,12 @@ def tq_paged_gather_dequant_kernel(
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr, BN: tl.constexpr,
     CENTER: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
+    K_PERMUTE: tl.constexpr, V_PERMUTE: tl.constexpr,
 ):
     """Cached tokens of request r -> dense K/V rows CU_KV[r] + t. Grid (R, cdiv(max_seq_len, BN), Hkv).
-    ``CENTER``: keys get their page's centre back (``key_centering_jit``)."""
+    ``CENTER``: keys get their page's centre back (``key_centering_jit``). ``K_PERMUTE``/``V_PERMUTE``: that
+    component's codebook values by byte permutes, its rotation rows (KROT_*/VROT_*) in kernel order
+    (``_mse_decode_rows``)."""
     req = tl.program_id(0)
     t = tl.program_id(1) * BN + tl.arange(0, BN)
     kvh = tl.program_id(2)
@@ -569,7 +387,7 @@ def tq_paged_gather_dequant_kernel(
     else:
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
         k = _mse_decode_rows(CACHE, krow, tmask, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD, KG0, KGP0, KB0,
-                             KG1, KGP1, KB1, K_EXACT, BN, False) * (k_scale * k_rot_scale)[:, None]
+                             KG1, KGP1, KB1, K_EXACT, BN, False, K_PERMUTE) * (k_scale * k_rot_scale)[:, None]
         if CENTER:
             mu, mup = _center_vectors(SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh, D_PAD, ROT_HALF, NEOX)
             pc, ps = _token_page_rows(t, tmask, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
@@ -580,6 +398,6 @@ def tq_paged_gather_dequant_kernel(
     vrow = base + V_IDX_OFF + off * V_ROW
     v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0).to(tl.float32)
     v = _mse_decode_rows(CACHE, vrow, tmask, VROT_HI, VROT_LO, VCENT0, VCENT1, D_PAD, VG0, VGP0, VB0,
-                         VG1, VGP1, VB1, V_EXACT, BN, False) * (v_scale * v_rot_scale)[:, None]
+                         VG1, VGP1, VB1, V_EXACT, BN, False, V_PERMUTE) * (v_scale * v_rot_scale)[:, None]
     tl.store(OUT_V + row[:, None] * stride_ovt + kvh * stride_ovh + i[None, :], v.to(OUT_V.dtype.element_ty),
              mask=omask)

@@ -16,12 +16,18 @@ import triton
 from ..kernels.codec_jit import tq_mse_decode_kernel, tq_mse_encode_kernel
 from ..packing import pack_indices, unpack_indices
 from ..quantizer import MSEQuantized, MSEQuantizer
-from .rotation_tables import codec_tables
+from .rotation_tables import CodecTables, codec_tables, kernel_order_rotation
 
 # bf16 outputs: decode's inverse rotation runs as a single fp16 product, whose error (~2.7e-4 RMS for
 # unit-variance coordinates) is a sixth of bf16's own rounding (~1.7e-3). fp16 and fp32 outputs keep the
 # hi/lo products: for fp16 the single product would add more than its rounding.
 SINGLE_PRODUCT_DTYPES = (torch.bfloat16,)
+
+
+def permute_lookup_applies(tables: CodecTables) -> bool:
+    """Whether byte-permute codebook lookups (``kernels.codebook_lookup_jit``) serve these tables: 2- to
+    4-bit segments. (The interpreter runs the same kernel-order path with loaded values.)"""
+    return all(2 <= seg.bits <= 4 for seg in tables.segments)
 
 
 def _block_rows(dim_pad: int) -> int:
@@ -72,8 +78,10 @@ def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, seed: int,
            dtype: torch.dtype = torch.float32, *, block_rows: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
-    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``."""
+           num_warps: int | None = None, permute_lookup: bool = True) -> torch.Tensor:
+    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``. ``permute_lookup`` (GPU, bf16
+    outputs, whose single fp16 product rounds the codebook values to fp16 anyway): codebook values by byte
+    permutes in registers instead of a gather per index."""
     t = codec_tables(dim, bits, seed, str(packed.device))
     if packed.shape[-1] != t.index_bytes:
         raise ValueError(f"expected {t.index_bytes} packed bytes for d={dim}, bits={bits}, got {packed.shape[-1]}")
@@ -83,10 +91,13 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, see
     out = torch.empty(n, dim, dtype=dtype, device=packed.device)
     cfg = _launch(t.dim_pad, block_rows, num_warps)
     c0, _, c1, _ = t.segment_tables()
+    hi_only = dtype in SINGLE_PRODUCT_DTYPES and t.dim_pad <= 256
+    permute = permute_lookup and hi_only and permute_lookup_applies(t)
+    rot_hi, rot_lo = kernel_order_rotation(dim, bits, seed, str(packed.device)) if permute else (t.rot_hi, t.rot_lo)
     if n:
         tq_mse_decode_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            p2, p2.stride(0), s2, t.rot_hi, t.rot_lo, c0, c1, out, out.stride(0), n, t.rot_scale,
-            HI_ONLY=dtype in SINGLE_PRODUCT_DTYPES and t.dim_pad <= 256, **cfg, **t.kernel_constexprs(),
+            p2, p2.stride(0), s2, rot_hi, rot_lo, c0, c1, out, out.stride(0), n, t.rot_scale,
+            HI_ONLY=hi_only, PERMUTE=permute, **cfg, **t.kernel_constexprs(),
         )
     return out.view(*packed.shape[:-1], dim)
 

@@ -69,7 +69,7 @@ from ..kernels.paged_attention_jit import (
 from ..kernels.paged_store_jit import tq_paged_store_kernel
 from ..quantizer import FP8_MAX, FP8Quantizer
 from ..rotation import check_head_dim
-from .codec import decode_ref, encode_ref
+from .codec import decode_ref, encode_ref, permute_lookup_applies
 from .key_centering import (
     KeyCentering,
     center_sums_from_keys_ref,
@@ -77,7 +77,7 @@ from .key_centering import (
     request_positions,
     token_centers_ref,
 )
-from .rotation_tables import CodecTables, codec_tables, padded_rotated_order
+from .rotation_tables import CodecTables, codec_tables, kernel_coordinate_order, kernel_order_rotation
 
 PAGE_SECTION_ALIGN = 16
 # Head dims the attention kernel serves: d_pad = next power of two must fit the register tiles.
@@ -231,43 +231,27 @@ class _ComponentTables:
         return out
 
 
-def _bitrev3(r: int) -> int:
-    return ((r & 1) << 2) | (r & 2) | ((r >> 2) & 1)
-
-
-def attention_coordinate_order(tables: CodecTables, fp8: bool = False) -> torch.Tensor:
-    """Rotated coordinate held by each position of the attention kernel's tiles (-1: padding).
-
-    MSE segments: position off_s + g*8 + r holds field j = bitrev3(r) of group g, i.e. coordinate
-    start_s + j*G + g (see ``kernels.paged_attention_jit``). fp8 keys: natural order, padded to dim_pad."""
-    if fp8:
-        pos = torch.full((tables.dim_pad,), -1, dtype=torch.long)
-        pos[: tables.dim] = torch.arange(tables.dim)
-        return pos
-    out = []
-    for seg in tables.segments:
-        for g in range(seg.groups_pad):
-            for r in range(8):
-                out.append(seg.start + _bitrev3(r) * seg.groups + g if g < seg.groups else -1)
-    return torch.tensor(out, dtype=torch.long)
+attention_coordinate_order = kernel_coordinate_order  # the attention kernel's tile order
 
 
 @functools.lru_cache(maxsize=128)
 def _component_tables(head_dim: int, kind: str, bits: float, seed: int, device: str) -> _ComponentTables:
     # fp8 keys reuse the single-segment rotation table of a 4-bit codec: only its rows are used.
     t = codec_tables(head_dim, 4 if kind == "fp8" else bits, seed, device)
-    # Codec rows are in ``padded_rotated_order``; gather them into the attention kernel's order.
-    codec_pos = padded_rotated_order(t).tolist()
-    row_of = {c: i for i, c in enumerate(codec_pos) if c >= 0}
-    want = attention_coordinate_order(t, fp8=kind == "fp8").tolist()
-    src = torch.tensor([row_of.get(c, 0) for c in want], dtype=torch.long, device=t.rot_hi.device)
-    keep = torch.tensor([c >= 0 for c in want], device=t.rot_hi.device)[:, None]
-    hi = torch.where(keep, t.rot_hi[src], torch.zeros_like(t.rot_hi[src])).contiguous()
-    lo = torch.where(keep, t.rot_lo[src], torch.zeros_like(t.rot_lo[src])).contiguous()
+    hi, lo = kernel_order_rotation(head_dim, 4 if kind == "fp8" else bits, seed, device, fp8=kind == "fp8")
     c = t.segment_tables()
     cents = (c[0].half().contiguous(), c[2].half().contiguous())
     pairs = tuple(_pair_table(x) for x in cents)
     return _ComponentTables(t, hi, lo, cents, pairs)
+
+
+def _decode_operands(tables: _ComponentTables, permute: bool) -> tuple:
+    """(rot_hi, rot_lo, codebook 0, codebook 1) for ``_mse_decode_rows``: kernel-order rows and fp16
+    codebooks with ``permute``, else the codec's rows and fp32 codebooks."""
+    if permute:
+        return tables.attn_rot_hi, tables.attn_rot_lo, tables.cent_f16[0], tables.cent_f16[1]
+    c = tables.codec
+    return c.rot_hi, c.rot_lo, c.centroids[0], c.centroids[-1]
 
 
 def _pair_table(cent: torch.Tensor) -> torch.Tensor:
@@ -920,10 +904,13 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
 def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, cu_seq_lens: torch.Tensor, out_k: torch.Tensor,
                       out_v: torch.Tensor, *, max_seq_len: int, block_n: int = 32,
-                      centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None):
+                      centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None,
+                      permute_lookup: bool = True):
     """Dequantize cached tokens 0..seq_lens[r]-1 of every request into dense rows
     ``cu_seq_lens[r] + t`` of ``out_k``/``out_v`` [N, Hkv, d] (fp16/bf16/fp32, preallocated: the
-    caller bounds N, e.g. by a fixed workspace and a chunked loop). No host synchronization."""
+    caller bounds N, e.g. by a fixed workspace and a chunked loop). No host synchronization.
+    ``permute_lookup`` (bf16 outputs): codebook values by byte permutes in registers (fp16 codebooks, as
+    attention uses), not gathered per index (fp32)."""
     num_kv_heads = cache.shape[1]
     u8, f16 = _cache_views(cache, layout, num_kv_heads)
     for name, o in (("out_k", out_k), ("out_v", out_v)):
@@ -939,15 +926,19 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
         return out_k, out_v
     kt, vt = _layout_tables(layout, cache.device)
     kc, vc = kt.codec, vt.codec
+    # bf16 outputs only: their rounding (2**-9) hides the fp16 codebook values' (2**-12); fp16 / fp32 keep fp32.
+    k_perm = (permute_lookup and out_k.dtype == torch.bfloat16 and not layout.key_is_fp8
+              and permute_lookup_applies(kc))
+    v_perm = permute_lookup and out_v.dtype == torch.bfloat16 and permute_lookup_applies(vc)
     grid = (num_reqs, triton.cdiv(max_seq_len, block_n), num_kv_heads)
     cargs, cconst = _centering_args(centering, center_sums, f16)
     tq_paged_gather_dequant_kernel[grid](
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens, cu_seq_lens,
-        kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], vc.rot_hi, vc.rot_lo, vc.centroids[0],
-        vc.centroids[-1], out_k, out_k.stride(0), out_k.stride(1), out_v, out_v.stride(0), out_v.stride(1),
+        *_decode_operands(kt, k_perm), *_decode_operands(vt, v_perm),
+        out_k, out_k.stride(0), out_k.stride(1), out_v, out_v.stride(0), out_v.stride(1),
         kc.rot_scale, vc.rot_scale,
         *cargs, D=layout.head_dim, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8, BN=block_n, num_warps=4,
-        CENTER=centering is not None, **cconst,
+        CENTER=centering is not None, K_PERMUTE=k_perm, V_PERMUTE=v_perm, **cconst,
         **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
     )
     return out_k, out_v

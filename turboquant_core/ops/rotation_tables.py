@@ -121,3 +121,41 @@ def padded_rotated_order(tables: CodecTables) -> torch.Tensor:
             pos[j * s.groups_pad : j * s.groups_pad + s.groups] = s.start + j * s.groups + torch.arange(s.groups)
         out.append(pos)
     return torch.cat(out)
+
+
+def _bitrev3(r: int) -> int:
+    return ((r & 1) << 2) | (r & 2) | ((r >> 2) & 1)
+
+
+def kernel_coordinate_order(tables: CodecTables, fp8: bool = False) -> torch.Tensor:
+    """Rotated coordinate held by each position of the tiles that ``kernels.codebook_lookup_jit`` builds
+    (-1: padding): the order of decode attention, and of the dense and paged decodes with byte permutes.
+
+    MSE segments: position off_s + g*8 + r holds field j = bitrev3(r) of group g, i.e. coordinate
+    start_s + j*G + g. fp8 keys: natural order, padded to dim_pad."""
+    if fp8:
+        pos = torch.full((tables.dim_pad,), -1, dtype=torch.long)
+        pos[: tables.dim] = torch.arange(tables.dim)
+        return pos
+    out = []
+    for seg in tables.segments:
+        for g in range(seg.groups_pad):
+            for r in range(8):
+                out.append(seg.start + _bitrev3(r) * seg.groups + g if g < seg.groups else -1)
+    return torch.tensor(out, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_order_rotation(dim: int, bits: float, seed: int, device: str = "cpu",
+                          fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rot_hi, rot_lo) of ``codec_tables(dim, bits, seed, device)`` with the rows gathered from the codec's
+    ``padded_rotated_order`` into ``kernel_coordinate_order`` (zero rows for padding)."""
+    tables = codec_tables(dim, bits, seed, device)
+    row_of = {c: i for i, c in enumerate(padded_rotated_order(tables).tolist()) if c >= 0}
+    want = kernel_coordinate_order(tables, fp8=fp8).tolist()
+    dev = tables.rot_hi.device
+    src = torch.tensor([row_of.get(c, 0) for c in want], dtype=torch.long, device=dev)
+    keep = torch.tensor([c >= 0 for c in want], device=dev)[:, None]
+    hi = torch.where(keep, tables.rot_hi[src], torch.zeros_like(tables.rot_hi[src])).contiguous()
+    lo = torch.where(keep, tables.rot_lo[src], torch.zeros_like(tables.rot_lo[src])).contiguous()
+    return hi, lo
