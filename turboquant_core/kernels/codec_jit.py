@@ -300,7 +300,23 @@ def _permuted_segment(IN, row_off, row_mask, byte0, CENT, G: tl.constexpr, GP: t
         c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, False, 0, False)
     else:
         c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, True, _codebook_bytes(CENT, B), True)
-    return c.to(tl.float16).to(tl.float32)
+    return c.to(tl.float16)
+
+
+@triton.jit
+def _unrotate_f16_values(c, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr, EXACT_ROT: tl.constexpr,
+                         HI_ONLY: tl.constexpr):
+    """``_unrotate_segment`` for values that are exactly fp16 (``_permuted_segment``): their hi/lo split has a
+    zero lo part, so the product with it is skipped."""
+    if HI_ONLY or not (D_PAD <= 256 or P <= 64):
+        return _unrotate_segment(c.to(tl.float32), ROT_HI, ROT_LO, row0, P, D_PAD, EXACT_ROT, HI_ONLY)
+    p = tl.arange(0, P)
+    i = tl.arange(0, D_PAD)
+    offs = (row0 + p)[:, None] * D_PAD + i[None, :]
+    x = tl.dot(c, tl.load(ROT_HI + offs))
+    if not EXACT_ROT:
+        x += tl.dot(c, tl.load(ROT_LO + offs))
+    return x
 
 
 @triton.jit
@@ -311,16 +327,16 @@ def _mse_decode_rows(IN, row_off, row_mask, ROT_HI, ROT_LO, CENT0, CENT1, D_PAD:
                      PERMUTE: tl.constexpr):
     """Packed indices at IN[row_off + ...] -> R^T c[idx], [BN, D_PAD] fp32, before the per-row scale.
     Shared by ``tq_mse_decode_kernel``, the paged gather-dequant and the key-centering sums. ``HI_ONLY``: the
-    inverse rotation as one fp16 product (``_unrotate_rows_hi``; D_PAD <= 256). ``PERMUTE`` (GPU only, 2- to
-    4-bit segments): codebook values by byte permutes in registers (``codebook_lookup_jit``), as fp16, and
-    ROT_* rows in kernel order (``rotation_tables.kernel_order_rotation``); otherwise gathered per index
-    from the fp32 codebooks, rows in the codec's order."""
+    inverse rotation as one fp16 product (``_unrotate_rows_hi``; D_PAD <= 256). ``PERMUTE`` (2- to 4-bit
+    segments): codebook values by byte permutes in registers (``codebook_lookup_jit``; the interpreter loads
+    them), as fp16, and ROT_* rows in kernel order (``rotation_tables.kernel_order_rotation``); otherwise
+    gathered per index from the fp32 codebooks, rows in the codec's order."""
     if PERMUTE:
-        x = _unrotate_segment(_permuted_segment(IN, row_off, row_mask, 0, CENT0, G0, GP0, B0, BN), ROT_HI, ROT_LO,
-                              0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)
+        x = _unrotate_f16_values(_permuted_segment(IN, row_off, row_mask, 0, CENT0, G0, GP0, B0, BN), ROT_HI,
+                                 ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)
         if G1 > 0:
-            x += _unrotate_segment(_permuted_segment(IN, row_off, row_mask, B0 * G0, CENT1, G1, GP1, B1, BN),
-                                   ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT, HI_ONLY)
+            x += _unrotate_f16_values(_permuted_segment(IN, row_off, row_mask, B0 * G0, CENT1, G1, GP1, B1, BN),
+                                      ROT_HI, ROT_LO, 8 * GP0, 8 * GP1, D_PAD, EXACT_ROT, HI_ONLY)
         return x
     idx0 = _load_unpack(IN, row_off, row_mask, 0, BN, G0, GP0, B0)
     x = _unrotate_segment(tl.load(CENT0 + idx0), ROT_HI, ROT_LO, 0, 8 * GP0, D_PAD, EXACT_ROT, HI_ONLY)

@@ -79,7 +79,7 @@ def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True
 def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, seed: int,
            dtype: torch.dtype = torch.float32, *, block_rows: int | None = None,
            num_warps: int | None = None, permute_lookup: bool = True) -> torch.Tensor:
-    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``. ``permute_lookup`` (GPU, bf16
+    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``. ``permute_lookup`` (bf16
     outputs, whose single fp16 product rounds the codebook values to fp16 anyway): codebook values by byte
     permutes in registers instead of a gather per index."""
     t = codec_tables(dim, bits, seed, str(packed.device))
