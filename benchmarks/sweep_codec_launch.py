@@ -6,6 +6,10 @@ sweep checks that on every variant and times each one against the device's copy 
 defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
 
     python benchmarks/sweep_codec_launch.py --vectors 1000000 --dim 128 --bits 3,4 --out sweep.json
+
+``--butterfly 0,1`` times the encoder's two rotations (products, and the in-register Walsh-Hadamard transform
+where ``ops.codec.butterfly_applies``; the transform runs only launches with a row per thread) against the
+products' bytes; ``differing_index_bytes`` counts coordinates that fell on the other side of a boundary.
 """
 
 from __future__ import annotations
@@ -26,24 +30,30 @@ def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]) -> dict:
+def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], butterfly: list[bool]) -> dict:
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbs(dev)
     x = torch.randn(n, dim, generator=torch.Generator(device=dev).manual_seed(0), device=dev).to(torch.bfloat16)
     out = []
     for b in bits:
-        ref_packed, ref_scale = encode(x, b, 0)
+        ref_packed, ref_scale = encode(x, b, 0, butterfly=False)
         ref_dec = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16)
         moved = n * dim * BF16_BYTES + n * (index_bytes(dim, b) + SCALE_BYTES)
-        for bn, nw in itertools.product(rows, warps):
-            row = {"bits": b, "dim": dim, "vectors": n, "block_rows": bn, "num_warps": nw}
+        for bfly, bn, nw in itertools.product(butterfly, rows, warps):
+            if bfly and bn != 32 * nw:  # the in-register transform holds a row per thread
+                continue
+            row = {"bits": b, "dim": dim, "vectors": n, "butterfly": bfly, "block_rows": bn, "num_warps": nw}
             try:
-                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw)
+                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, butterfly=bfly)
                 d = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16, block_rows=bn, num_warps=nw)
                 row["same_bytes"] = bool(torch.equal(p, ref_packed) and torch.equal(s, ref_scale))
+                # the two rotations sum in other orders: coordinates at a decision boundary may differ
+                row["differing_index_bytes"] = int((p != ref_packed).sum())
+                row["max_scale_rel_diff"] = float(((s.float() - ref_scale.float()).abs() /
+                                                   ref_scale.float().clamp_min(1e-30)).max())
                 row["same_decode"] = bool(torch.equal(d, ref_dec))
                 launch = {"block_rows": bn, "num_warps": nw}
-                enc = _ms(lambda b=b, launch=launch: encode(x, b, 0, **launch))
+                enc = _ms(lambda b=b, launch=launch, bfly=bfly: encode(x, b, 0, butterfly=bfly, **launch))
                 dec = _ms(lambda b=b, p=ref_packed, s=ref_scale, launch=launch: decode(p, s, dim, b, 0, torch.bfloat16,
                                                                                       **launch))
                 for op, ms in (("encode", enc), ("decode", dec)):
@@ -65,20 +75,22 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--rows", default="16,32,64,128")
     ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--butterfly", default="0,1", help="encoder rotation: 0 products, 1 in-register transform")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_codec_launch.py times the Triton kernels and needs a CUDA device")
     res = sweep(a.vectors, a.dim, parse_bits(a.bits), [int(v) for v in a.rows.split(",")],
-                [int(v) for v in a.warps.split(",")])
+                [int(v) for v in a.warps.split(",")], [v.strip() == "1" for v in a.butterfly.split(",")])
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{'bits':>4} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
+    print(f"{'bits':>4} {'bfly':>4} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
     for r in res["results"]:
         if "error" in r:
-            print(f"{r['bits']:>4g} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
+            print(f"{r['bits']:>4g} {r['butterfly']:>4} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
             continue
-        print(f"{r['bits']:>4g} {r['block_rows']:>4} {r['num_warps']:>5} {100 * r['encode']['fraction_of_copy']:>9.1f}%"
+        print(f"{r['bits']:>4g} {r['butterfly']:>4} {r['block_rows']:>4} {r['num_warps']:>5} "
+              f"{100 * r['encode']['fraction_of_copy']:>9.1f}%"
               f" {100 * r['decode']['fraction_of_copy']:>9.1f}% {r['same_bytes'] and r['same_decode']}")
 
 

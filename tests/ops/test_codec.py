@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from turboquant_core.codebooks import codebook_tensors
-from turboquant_core.ops.codec import decode, decode_ref, encode, encode_ref, unpack_segments
+from turboquant_core.ops.codec import butterfly_applies, decode, decode_ref, encode, encode_ref, unpack_segments
+from turboquant_core.ops.rotation_tables import codec_tables, sign_bit_words
 from turboquant_core.quantizer import split_segments
 from turboquant_core.rotation import SUPPORTED_HEAD_DIMS, rotate
 
@@ -41,9 +42,9 @@ def near_boundary(x: torch.Tensor, bits: float, seed: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def check_encode(x: torch.Tensor, bits: float, seed: int = SEED, norm_correction: bool = True):
+def check_encode(x: torch.Tensor, bits: float, seed: int = SEED, norm_correction: bool = True, **launch):
     d = x.shape[-1]
-    packed, scale = encode(x, bits, seed, norm_correction)
+    packed, scale = encode(x, bits, seed, norm_correction, **launch)
     ref_packed, ref_scale = encode_ref(x, bits, seed, norm_correction)
     assert packed.dtype == torch.uint8 and scale.dtype == torch.float16
     assert packed.shape == ref_packed.shape == (*x.shape[:-1], round(d * bits / 8))
@@ -194,17 +195,19 @@ def test_shape_errors(device):
         encode(torch.zeros(2, 128, device=device), 5, SEED)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (32, None), (128, 8)])
-def test_launch_configuration_does_not_change_the_encoding(device, block_rows, num_warps):
+def test_launch_configuration_does_not_change_the_encoding(device, dim, block_rows, num_warps):
     # Rows are encoded independently: other tile sizes give the same indices (the fp16 scale may move by
-    # one rounding step, the norm being summed in another order) and decode to the same values.
-    x = _rows(70, 128, seed=3, device=device)
+    # one rounding step, the norm being summed in another order) and decode to the same values. d = 64 runs
+    # the in-register transform, whose rows per program differ from the warps' threads here.
+    x = _rows(70, dim, seed=3, device=device)
     packed, scale = encode(x, 3, SEED)
     p2, s2 = encode(x, 3, SEED, block_rows=block_rows, num_warps=num_warps)
-    assert torch.equal(unpack_segments(p2, 128, 3), unpack_segments(packed, 128, 3))
+    assert torch.equal(unpack_segments(p2, dim, 3), unpack_segments(packed, dim, 3))
     torch.testing.assert_close(s2.float(), scale.float(), rtol=2**-10, atol=0)
-    out = decode(packed, scale, 128, 3, SEED)
-    out2 = decode(packed, scale, 128, 3, SEED, block_rows=block_rows, num_warps=num_warps)
+    out = decode(packed, scale, dim, 3, SEED)
+    out2 = decode(packed, scale, dim, 3, SEED, block_rows=block_rows, num_warps=num_warps)
     torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
 
 
@@ -214,3 +217,31 @@ def test_bad_launch_configuration(device):
         encode(x, 3, SEED, block_rows=24)
     with pytest.raises(ValueError, match="num_warps must be one of 1, 2, 4, 8, 16, got 3"):
         encode(x, 3, SEED, num_warps=3)
+
+
+def test_butterfly_encoder_applies_where_measured_faster():
+    # The in-register transform serves d = 64 (Hadamard) except 3.5 bits; other dims keep the products.
+    assert [b for b in BITS if butterfly_applies(codec_tables(64, b, SEED))] == [2, 2.5, 3, 4]
+    assert not any(butterfly_applies(codec_tables(d, 3, SEED)) for d in (80, 96, 128, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
+def test_butterfly_and_product_encoders_match_the_reference(device, dtype, bits):
+    # Both rotations of d = 64 (the in-register transform where it applies, and the products) against the
+    # reference, including an all-zero row (every coordinate 0: the reference's index H - 1).
+    x = _rows(37, 64, seed=13, device=device).clamp(-6e4, 6e4).to(dtype)
+    x[5] = 0
+    check_encode(x, bits, butterfly=True)
+    check_encode(x, bits, butterfly=False)
+
+
+def test_sign_bit_words_hold_the_rotation_diagonal():
+    from turboquant_core.rotation import hadamard_signs
+    for dim in (64, 128, 256):
+        signs = hadamard_signs(dim, SEED)
+        words = sign_bit_words(signs)
+        assert words.dtype == torch.int32 and words.shape == (dim // 32,)
+        bits = (words[:, None].to(torch.int64) >> torch.arange(32)) & 1
+        assert torch.equal(bits.reshape(-1) == 1, signs < 0)
+        assert torch.equal(codec_tables(dim, 3, SEED).sign_words, words)

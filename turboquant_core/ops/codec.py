@@ -34,9 +34,19 @@ def _block_rows(dim_pad: int) -> int:
     return max(16, min(64, 8192 // dim_pad))
 
 
-def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None) -> dict:
-    """Rows per program and warps: the defaults, or a caller's choice (``benchmarks/sweep_codec_launch.py``)."""
-    bn = block_rows or _block_rows(dim_pad)
+def butterfly_applies(tables: CodecTables) -> bool:
+    """Whether the encoder runs the rotation as the in-register Walsh-Hadamard transform
+    (``codec_jit._mse_encode_rows_butterfly``): where it was measured faster than the products on an H200,
+    d = 64 except 3.5 bits (``benchmarks/results/2026-11-24-h200-butterfly-encode/``). At d = 128 a row per
+    thread spills its registers."""
+    bits = [s.bits for s in tables.segments]
+    return tables.exact_rot and tables.dim == 64 and bits != [4, 3]
+
+
+def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterfly: bool = False) -> dict:
+    """Rows per program and warps: the defaults, or a caller's choice (``benchmarks/sweep_codec_launch.py``).
+    The in-register transform holds a row per thread: 128 rows over 4 warps by default."""
+    bn = block_rows or (128 if butterfly else _block_rows(dim_pad))
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {bn}")
     cfg = {"BN": bn}
@@ -44,6 +54,8 @@ def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None) -> dict
         if num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
         cfg["num_warps"] = num_warps
+    elif butterfly:
+        cfg["num_warps"] = max(1, min(8, bn // 32))
     return cfg
 
 
@@ -55,21 +67,25 @@ def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True, *,
-           block_rows: int | None = None, num_warps: int | None = None):
+           block_rows: int | None = None, num_warps: int | None = None, butterfly: bool = True):
     """Fused rotate + quantize + pack. x [..., d] (fp16/bf16/fp32) -> (packed [..., B] uint8, scale [...] fp16).
-    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed)."""
+    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed). ``butterfly``:
+    the Hadamard rotation as an in-register Walsh-Hadamard transform where ``butterfly_applies`` (same indices
+    up to coordinates within rounding of a decision boundary)."""
     dim = x.shape[-1]
     t = codec_tables(dim, bits, seed, str(x.device))
     x2 = _flat(x, dim)
     n = x2.shape[0]
     out = torch.empty(n, t.index_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
-    cfg = _launch(t.dim_pad, block_rows, num_warps)
+    bfly = butterfly and butterfly_applies(t)
+    cfg = _launch(t.dim_pad, block_rows, num_warps, bfly)
     lv0, b0, lv1, b1 = t.encode_tables()
+    signs = t.sign_words if bfly else t.rot_hi
     if n:
         tq_mse_encode_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, lv0, b0, lv1, b1, out, out.stride(0), scale,
-            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, **cfg,
+            x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, signs, lv0, b0, lv1, b1, out, out.stride(0), scale,
+            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, BUTTERFLY=bfly, **cfg,
             **t.kernel_constexprs(),
         )
     lead = x.shape[:-1]
