@@ -315,12 +315,9 @@ def _butterfly_round(x, BN: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _chunk_to_natural_order(x, BN: tl.constexpr, D: tl.constexpr):
-    """[BN, D] in the order of ``_load_row_chunks`` (D = 64 or 128) -> natural column order."""
-    if D == 64:
-        return tl.reshape(tl.permute(tl.reshape(x, (BN, 8, 2, 2, 2)), (0, 4, 3, 2, 1)), (BN, D))
-    else:
-        return tl.reshape(tl.permute(tl.reshape(x, (BN, 8, 2, 2, 2, 2)), (0, 5, 4, 3, 2, 1)), (BN, D))
+def _chunk_to_natural_order(x, BN: tl.constexpr):
+    """[BN, 64] in the order of ``_load_row_chunks`` (8 chunks: i*8 + bitrev3(c)) -> natural column order."""
+    return tl.reshape(tl.permute(tl.reshape(x, (BN, 8, 2, 2, 2)), (0, 4, 3, 2, 1)), (BN, 64))
 
 
 @triton.jit
@@ -338,18 +335,18 @@ def _mse_encode_rows_butterfly(X, x_off, row_mask, OUT, out_off, SIGN_WORDS, LEV
                                sqrt_d, D: tl.constexpr, G0: tl.constexpr, B0: tl.constexpr,
                                G1: tl.constexpr, B1: tl.constexpr, NORM_CORRECTION: tl.constexpr,
                                BN: tl.constexpr):
-    """``_mse_encode_rows`` for a randomized Hadamard rotation with the transform in registers (D = 64 or 128;
-    ``ops.codec.butterfly_applies`` says where it is used): rows at X[x_off + ...] -> packed indices at
+    """``_mse_encode_rows`` for a randomized Hadamard rotation of d = 64 with the transform in registers
+    (``ops.codec.butterfly_applies`` says where it is used): rows at X[x_off + ...] -> packed indices at
     OUT[out_off + ...]; returns the clamped fp32 scale [BN]. SIGN_WORDS: the rotation's +-1 diagonal as sign
     bits (int32 [D/32]). Two segments must be the two halves (2.5 and 3.5 bits)."""
-    LOG_D: tl.constexpr = 6 if D == 64 else 7
+    tl.static_assert(D == 64, "the in-register transform serves d = 64")
     x = tl.reshape(_load_row_chunks(X, x_off, row_mask, 0, D // 8), (BN, D)).to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     inv_norm = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
     t = _apply_signs(x, SIGN_WORDS, BN, D)
-    for _ in tl.static_range(LOG_D):
+    for _ in tl.static_range(6):
         t = _butterfly_round(t, BN, D)
-    t = _chunk_to_natural_order(t, BN, D) * (inv_norm * s_mul)[:, None]
+    t = _chunk_to_natural_order(t, BN) * (inv_norm * s_mul)[:, None]
     if G1 > 0:
         tl.static_assert(8 * G0 == D // 2 and 8 * G1 == D // 2, "two segments must be the two halves")
         t0, t1 = tl.split(tl.permute(tl.reshape(t, (BN, 2, D // 2)), (0, 2, 1)))
