@@ -207,6 +207,17 @@ def _encode_segment_exact(x, row_mul, ROT, row0, OUT, out_off, row_mask, byte0, 
 
 
 @triton.jit
+def _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION: tl.constexpr):
+    """The stored per-row scale: |x| / |c| with norm correction (0 for rows of no codebook energy), else
+    |x| / sqrt(d); clamped to the fp16 range."""
+    if NORM_CORRECTION:
+        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
+    else:
+        scale = norm / sqrt_d
+    return tl.minimum(scale, 65504.0)
+
+
+@triton.jit
 def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1, rot_scale,
                      sqrt_d, D_PAD: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
                      G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
@@ -243,11 +254,7 @@ def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, 
             idx1, sq1 = _quantize_segment(t1, BND1, LEV1, 1 << B1)
             sumsq += tl.sum(tl.where(_segment_valid(BN, G1, GP1), sq1, 0.0), axis=1)
             _pack_store(idx1, OUT, out_off, row_mask, B0 * G0, BN, G1, GP1, B1)
-    if NORM_CORRECTION:
-        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
-    else:
-        scale = norm / sqrt_d
-    return tl.minimum(scale, 65504.0)
+    return _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION)
 
 
 # In-register fast Walsh-Hadamard transform (the dense encoder at d = 64).
@@ -354,11 +361,7 @@ def _mse_encode_rows_butterfly(X, x_off, row_mask, OUT, out_off, SIGN_WORDS, LEV
         sumsq += _encode_segment_in_registers(t1, OUT, out_off, row_mask, B0 * G0, LEV1, BND1, G1, B1)
     else:
         sumsq = _encode_segment_in_registers(t, OUT, out_off, row_mask, 0, LEV0, BND0, G0, B0)
-    if NORM_CORRECTION:
-        scale = tl.where(sumsq > 0, norm / tl.sqrt(tl.maximum(sumsq, 1e-30)), 0.0)
-    else:
-        scale = norm / sqrt_d
-    return tl.minimum(scale, 65504.0)
+    return _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION)
 
 
 @triton.jit
