@@ -7,9 +7,11 @@ defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
 
     python benchmarks/sweep_codec_launch.py --vectors 1000000 --dim 128 --bits 3,4 --out sweep.json
 
-``--butterfly 0,1`` times the encoder's two rotations (products, and the in-register Walsh-Hadamard transform
-where ``ops.codec.butterfly_applies``; the transform runs only launches with a row per thread) against the
-products' bytes; ``differing_index_bytes`` counts coordinates that fell on the other side of a boundary.
+``--encoders products,butterfly,packing_order`` times the encoders (``ops.codec.ENCODERS``: rotation products per
+packing slot, the in-register Walsh-Hadamard transform of d = 64, which runs only launches with a row per thread,
+and one product per tile in packing order, fp16 / bf16 rows of one segment) against the products' bytes; an
+encoder that does not serve a format is skipped; ``differing_index_bytes`` counts coordinates that fell on the
+other side of a boundary.
 """
 
 from __future__ import annotations
@@ -23,28 +25,33 @@ import torch
 import triton.testing
 
 from turboquant_core.bench import BF16_BYTES, SCALE_BYTES, copy_bandwidth_gbs, device_name, index_bytes, parse_bits
-from turboquant_core.ops.codec import decode, encode
+from turboquant_core.ops.codec import choose_encoder, decode, encode
+from turboquant_core.ops.rotation_tables import codec_tables
 
 
 def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], butterfly: list[bool]) -> dict:
+def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], encoders: list[str]) -> dict:
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbs(dev)
     x = torch.randn(n, dim, generator=torch.Generator(device=dev).manual_seed(0), device=dev).to(torch.bfloat16)
     out = []
     for b in bits:
-        ref_packed, ref_scale = encode(x, b, 0, butterfly=False)
+        ref_packed, ref_scale = encode(x, b, 0, encoder="products")
         ref_dec = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16)
         moved = n * dim * BF16_BYTES + n * (index_bytes(dim, b) + SCALE_BYTES)
-        for bfly, bn, nw in itertools.product(butterfly, rows, warps):
-            if bfly and bn != 32 * nw:  # the in-register transform holds a row per thread
-                continue
-            row = {"bits": b, "dim": dim, "vectors": n, "butterfly": bfly, "block_rows": bn, "num_warps": nw}
+        for enc_name, bn, nw in itertools.product(encoders, rows, warps):
             try:
-                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, butterfly=bfly)
+                kind = choose_encoder(codec_tables(dim, b, 0, str(dev)), x.dtype, enc_name)
+            except ValueError:
+                continue  # does not serve this format
+            if kind == "butterfly" and bn != 32 * nw:  # the in-register transform holds a row per thread
+                continue
+            row = {"bits": b, "dim": dim, "vectors": n, "encoder": kind, "block_rows": bn, "num_warps": nw}
+            try:
+                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, encoder=kind)
                 d = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16, block_rows=bn, num_warps=nw)
                 row["same_bytes"] = bool(torch.equal(p, ref_packed) and torch.equal(s, ref_scale))
                 # the two rotations sum in other orders: coordinates at a decision boundary may differ
@@ -53,7 +60,7 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
                                                    ref_scale.float().clamp_min(1e-30)).max())
                 row["same_decode"] = bool(torch.equal(d, ref_dec))
                 launch = {"block_rows": bn, "num_warps": nw}
-                enc = _ms(lambda b=b, launch=launch, bfly=bfly: encode(x, b, 0, butterfly=bfly, **launch))
+                enc = _ms(lambda b=b, launch=launch, kind=kind: encode(x, b, 0, encoder=kind, **launch))
                 dec = _ms(lambda b=b, p=ref_packed, s=ref_scale, launch=launch: decode(p, s, dim, b, 0, torch.bfloat16,
                                                                                       **launch))
                 for op, ms in (("encode", enc), ("decode", dec)):
@@ -75,21 +82,22 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--rows", default="16,32,64,128")
     ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument("--butterfly", default="0,1", help="encoder rotation: 0 products, 1 in-register transform")
+    ap.add_argument("--encoders", default="products,butterfly,packing_order",
+                    help="comma-separated ops.codec.ENCODERS (those that do not serve a format are skipped)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_codec_launch.py times the Triton kernels and needs a CUDA device")
     res = sweep(a.vectors, a.dim, parse_bits(a.bits), [int(v) for v in a.rows.split(",")],
-                [int(v) for v in a.warps.split(",")], [v.strip() == "1" for v in a.butterfly.split(",")])
+                [int(v) for v in a.warps.split(",")], [v.strip() for v in a.encoders.split(",")])
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{'bits':>4} {'bfly':>4} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
+    print(f"{'bits':>4} {'encoder':>13} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
     for r in res["results"]:
         if "error" in r:
-            print(f"{r['bits']:>4g} {r['butterfly']:>4} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
+            print(f"{r['bits']:>4g} {r['encoder']:>13} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
             continue
-        print(f"{r['bits']:>4g} {r['butterfly']:>4} {r['block_rows']:>4} {r['num_warps']:>5} "
+        print(f"{r['bits']:>4g} {r['encoder']:>13} {r['block_rows']:>4} {r['num_warps']:>5} "
               f"{100 * r['encode']['fraction_of_copy']:>9.1f}%"
               f" {100 * r['decode']['fraction_of_copy']:>9.1f}% {r['same_bytes'] and r['same_decode']}")
 

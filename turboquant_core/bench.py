@@ -127,10 +127,18 @@ def bench_codec(
         enc_ms = _time_ms(lambda b=b: encode(x, b, seed), device)
         dec_ms = _time_ms(lambda b=b, p=packed, s=scale: decode(p, s, dim, b, seed, torch.bfloat16), device)
         moved = n_vectors * dim * BF16_BYTES + n_vectors * (ib + SCALE_BYTES)
+        kernel = {"encode": "reference", "decode": "reference"}
+        if on_cuda:
+            from .ops.codec import choose_encoder
+            from .ops.rotation_tables import codec_tables
+
+            kernel["encode"] = choose_encoder(codec_tables(dim, b, seed, str(device)), x.dtype)
+            kernel["decode"] = "triton"
         for op, ms in (("encode", enc_ms), ("decode", dec_ms)):
             gbs = moved / (ms * 1e-3) / 1e9
             rows.append({
                 "op": op,
+                "kernel": kernel[op],
                 "bits": b,
                 "dim": dim,
                 "vectors": n_vectors,

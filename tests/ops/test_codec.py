@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from turboquant_core.codebooks import codebook_tensors
-from turboquant_core.ops.codec import butterfly_applies, decode, decode_ref, encode, encode_ref, unpack_segments
-from turboquant_core.ops.rotation_tables import codec_tables, sign_bit_words
+from turboquant_core.ops.codec import (
+    ENCODERS,
+    butterfly_applies,
+    choose_encoder,
+    decode,
+    decode_ref,
+    encode,
+    encode_ref,
+    packing_order_applies,
+    unpack_segments,
+)
+from turboquant_core.ops.rotation_tables import codec_tables, packing_order, packing_order_rotation, sign_bit_words
 from turboquant_core.quantizer import split_segments
 from turboquant_core.rotation import SUPPORTED_HEAD_DIMS, rotate
 
@@ -232,8 +242,76 @@ def test_butterfly_and_product_encoders_match_the_reference(device, dtype, bits)
     # reference, including an all-zero row (every coordinate 0: the reference's index H - 1).
     x = _rows(37, 64, seed=13, device=device).clamp(-6e4, 6e4).to(dtype)
     x[5] = 0
-    check_encode(x, bits, butterfly=True)
-    check_encode(x, bits, butterfly=False)
+    check_encode(x, bits, encoder="auto")
+    check_encode(x, bits, encoder="products")
+
+
+def test_auto_encoder_takes_the_measured_fastest_that_applies():
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert choose_encoder(codec_tables(128, 3, SEED), bf16) == "packing_order"
+    assert choose_encoder(codec_tables(128, 3, SEED), torch.float16) == "packing_order"
+    assert choose_encoder(codec_tables(128, 3, SEED), f32) == "products"  # fp32 rows: no exact 16-bit product
+    assert choose_encoder(codec_tables(128, 3.5, SEED), bf16) == "products"  # two segments
+    assert choose_encoder(codec_tables(64, 3, SEED), bf16) == "butterfly"
+    assert choose_encoder(codec_tables(96, 3, SEED), bf16) == "products"
+    assert choose_encoder(codec_tables(256, 4, SEED), bf16) == "packing_order"
+    assert choose_encoder(codec_tables(512, 4, SEED), bf16) == "products"
+    assert [d for d in (64, 128, 256) for b in (2, 3, 4) if packing_order_applies(codec_tables(d, b, SEED), bf16)] \
+        == [64] * 3 + [128] * 3 + [256] * 3
+
+
+def test_bad_encoder_names_and_encoders_that_do_not_apply():
+    valid = "valid encoders: auto, products, butterfly, packing_order"
+    with pytest.raises(ValueError, match=f"unknown encoder 'fast'; {valid}"):
+        choose_encoder(codec_tables(128, 3, SEED), torch.bfloat16, "fast")
+    with pytest.raises(ValueError, match="packing_order encoder serves one-segment formats"):
+        choose_encoder(codec_tables(128, 2.5, SEED), torch.bfloat16, "packing_order")
+    with pytest.raises(ValueError, match="packing_order encoder serves .* with fp16 or bf16 rows"):
+        choose_encoder(codec_tables(128, 3, SEED), torch.float32, "packing_order")
+    with pytest.raises(ValueError, match="butterfly encoder serves d = 64"):
+        choose_encoder(codec_tables(128, 3, SEED), torch.bfloat16, "butterfly")
+    assert set(ENCODERS) == {"auto", "products", "butterfly", "packing_order"}
+
+
+def test_packing_order_is_a_permutation_with_a_groups_slots_in_register_bits():
+    for dim in (32, 64, 128, 256):
+        order = packing_order(dim)
+        assert sorted(order.tolist()) == list(range(dim))
+        n = torch.arange(dim)
+        slot, group = order // (dim // 8), order % (dim // 8)
+        # The slot is a function of bits 0, 3, 4 of the column only; lane bits 1, 2 pick the group.
+        assert torch.equal(slot, 4 * ((n >> 4) & 1) + 2 * ((n >> 3) & 1) + (n & 1))
+        assert torch.equal(group // (dim // 32), 2 * ((n >> 2) & 1) + ((n >> 1) & 1))
+    rot = packing_order_rotation(128, 3, SEED, "cpu", torch.bfloat16)
+    assert rot.shape == (128, 128) and rot.dtype == torch.bfloat16
+    assert torch.equal(rot.float().abs(), torch.ones(128, 128))
+    with pytest.raises(ValueError, match="power-of-two dim >= 32, got 96"):
+        packing_order(96)
+    with pytest.raises(ValueError, match="one segment and a Hadamard rotation"):
+        packing_order_rotation(128, 3.5, SEED, "cpu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packing_order_encoder_matches_the_reference(device, dtype, dim, bits):
+    # Rows over six decades of norms, an all-zero row, and a count that leaves the last tile partly empty.
+    x = _rows(75, dim, seed=17, device=device).to(dtype)
+    x[6] = 0
+    packed, scale, _, _ = check_encode(x, bits, encoder="packing_order")
+    assert scale[6] == 0
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (64, 4), (128, 8)])
+def test_packing_order_encoder_launches_and_many_tiles_per_program(device, block_rows, num_warps):
+    # On a GPU, 1100 rows in tiles of 16 are 69 tiles: programs loop over several (two programs per SM).
+    x = _rows(1100 if device == "cuda" else 70, 128, seed=19, device=device).to(torch.bfloat16)
+    packed, scale = encode(x, 3, SEED, encoder="products")
+    p2, s2 = encode(x, 3, SEED, encoder="packing_order", block_rows=block_rows, num_warps=num_warps)
+    near = near_boundary(x, 3, SEED)
+    differ = unpack_segments(p2, 128, 3) != unpack_segments(packed, 128, 3)
+    assert not (differ & ~near).any()
+    torch.testing.assert_close(s2.float(), scale.float(), rtol=2**-10, atol=0)
 
 
 def test_sign_bit_words_hold_the_rotation_diagonal():

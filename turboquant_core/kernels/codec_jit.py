@@ -116,8 +116,22 @@ def _unrotate_rows(y, ROT_HI, ROT_LO, row0, P: tl.constexpr, D_PAD: tl.constexpr
 
 
 @triton.jit
-def _quantize_segment(s, BND, LEVELS, NLEV: tl.constexpr):
-    """Scaled coords -> (codebook index, c[idx]^2 within 2^-20).
+def _held_codebook(BND, LEVELS, NLEV: tl.constexpr):
+    """A segment's encoder tables as scalars a program holds in registers: (the L/2 - 1 positive boundaries,
+    the L/2 ``rotation_tables.encoder_levels`` words). Loaded once, before a loop over tiles (loads inside
+    the loop would be pipelined through shared memory every iteration)."""
+    H: tl.constexpr = NLEV // 2
+    bnd = ()
+    lev = (tl.load(LEVELS),)
+    for m in tl.static_range(H - 1):
+        bnd = bnd + (tl.load(BND + H + m),)
+        lev = lev + (tl.load(LEVELS + m + 1),)
+    return bnd, lev
+
+
+@triton.jit
+def _quantize_held(s, bnd, lev, NLEV: tl.constexpr):
+    """Scaled coords -> (codebook index, c[idx]^2 within 2^-20), tables from ``_held_codebook``.
 
     The index is the number of boundaries strictly below s (ties at a boundary, a measure-zero case,
     may land one index apart on the negative side). The codebooks are exactly symmetric (c[L-1-i] ==
@@ -127,11 +141,18 @@ def _quantize_segment(s, BND, LEVELS, NLEV: tl.constexpr):
     H - 1 - m == m ^ (H - 1) for m < H, H a power of two)."""
     H: tl.constexpr = NLEV // 2
     a = tl.abs(s)
-    w = tl.zeros(s.shape, dtype=tl.int32) + tl.load(LEVELS)
+    w = tl.zeros(s.shape, dtype=tl.int32) + lev[0]
     for m in tl.static_range(H - 1):
-        w = tl.where(a > tl.load(BND + H + m), tl.load(LEVELS + m + 1), w)
+        w = tl.where(a > bnd[m], lev[m + 1], w)
     idx = (w & (H - 1)) ^ tl.where(s > 0, H, H - 1)
     return idx, w.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_segment(s, BND, LEVELS, NLEV: tl.constexpr):
+    """``_quantize_held`` with the tables loaded here."""
+    bnd, lev = _held_codebook(BND, LEVELS, NLEV)
+    return _quantize_held(s, bnd, lev, NLEV)
 
 
 @triton.jit
@@ -362,6 +383,90 @@ def _mse_encode_rows_butterfly(X, x_off, row_mask, OUT, out_off, SIGN_WORDS, LEV
     else:
         sumsq = _encode_segment_in_registers(t, OUT, out_off, row_mask, 0, LEV0, BND0, G0, B0)
     return _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION)
+
+
+# One rotation product per tile, its columns in packing order (the dense encoder at d = 128 and 256).
+#
+# The products above rotate a segment one packing slot at a time (8 products of [BN, d] x [d, G]) so that the
+# 8 slots' index tiles share a register layout and pack with shifts; each product reads the row tile from shared
+# memory again, and every program loads the whole rotation: the L1/TEX unit was the encoder's limit (90 % in
+# Nsight Compute at d = 128). Here one product [BN, d] x [d, d] rotates a tile, against the rotation rows
+# reordered so that product column n is rotated coordinate j(n) * G + g(n) with (``rotation_tables.packing_order``)
+#   j = 4 b4 + 2 b3 + b0,   g = (2 b2 + b1) * d/32 + (n >> 5)      (b_i: bit i of n).
+# In the accumulator layout of a Hopper warpgroup product, a thread holds columns 8i + 2q + e (q: its lane mod
+# 4; e, i: its registers), so bits 0, 3, 4 and n >> 5 are register bits: reshaping the tile to [BN, G, 8] puts
+# a group's 8 slots in one thread and packing is a reduction within registers, with no layout change. The row
+# norm comes from the rotated tile (|R x| = |x|), so the rows only feed the product and are copied straight into
+# shared memory; programs loop over tiles (as many as fit on the device) with the rotation loaded once and
+# the next tiles' rows in flight. Needs one segment, a Hadamard rotation and 16-bit rows (exact products).
+
+
+@triton.jit
+def _pack_order_words(t, bnd, lev, B: tl.constexpr):
+    """A tile [BN, D] of scaled rotated coordinates in packing order -> ([BN, D/8] uint32 words whose b-bit
+    field j is slot j of group g, the rows' sum of c^2). 4-bit fields merge pairwise along the slot's three
+    bits (b0, b3, b4), one shift-add per field; narrower ones as one shifted sum over the slots (each measured
+    the faster there on an H200)."""
+    BN: tl.constexpr = t.shape[0]
+    D: tl.constexpr = t.shape[1]
+    t7 = tl.reshape(t, (BN, D // 32, 2, 2, 2, 2, 2))  # (n >> 5, b4, b3, b2, b1, b0)
+    t3 = tl.reshape(tl.permute(t7, (0, 4, 5, 1, 2, 3, 6)), (BN, D // 8, 2, 2, 2))  # (g, b4, b3, b0)
+    idx, sq = _quantize_held(t3, bnd, lev, 1 << B)
+    sumsq = tl.sum(tl.sum(tl.reshape(sq, (BN, D // 8, 8)), axis=2), axis=1)
+    if B == 4:
+        lo, hi = tl.split(idx.to(tl.uint32))  # b0: slots j and j + 1
+        lo, hi = tl.split(lo + (hi << B))  # b3: j and j + 2
+        lo, hi = tl.split(lo + (hi << (2 * B)))  # b4: j and j + 4
+        return lo + (hi << (4 * B)), sumsq
+    j = tl.arange(0, 8)  # slot j = 4 b4 + 2 b3 + b0: the reshape's order
+    word = tl.sum(tl.reshape(idx, (BN, D // 8, 8)).to(tl.uint32) << (B * j)[None, None, :].to(tl.uint32), axis=2)
+    return word, sumsq
+
+
+@triton.jit
+def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, sqrt_d, rot_scale,
+                               D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr):
+    """Rows [tile*BN, tile*BN + BN) -> packed indices and fp16 scales; rot: [D, D] +-1 operand in packing order
+    (the transposed view of ``rotation_tables.packing_order_rotation``)."""
+    i = tl.arange(0, D)
+    rows = tile * BN + tl.arange(0, BN)
+    rmask = rows < N
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :], mask=rmask[:, None], other=0.0)
+    if INTERPRETING and x.dtype == tl.bfloat16:
+        t = tl.dot(x.to(tl.float32), rot.to(tl.float32))  # Triton 3.6's interpreter: see _rotate_rows_exact
+    else:
+        t = tl.dot(x, rot)  # exact products, fp32 sums: t = sqrt(d) * R x
+    ss = tl.sum(t * t, axis=1)  # d |x|^2
+    row_mul = tl.where(ss > 0, sqrt_d * tl.rsqrt(tl.where(ss > 0, ss, 1.0)), 0.0)
+    word, sumsq = _pack_order_words(t * row_mul[:, None], bnd, lev, B)
+    G: tl.constexpr = D // 8
+    g = tl.arange(0, G)
+    out_off = rows.to(tl.int64) * stride_out
+    for k in tl.static_range(B):
+        tl.store(OUT + out_off[:, None] + k * G + g[None, :], ((word >> (8 * k)) & 0xFF).to(tl.uint8),
+                 mask=rmask[:, None])
+    norm = tl.sqrt(ss) * rot_scale
+    tl.store(SCALE + rows, _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION).to(tl.float16), mask=rmask)
+
+
+@triton.jit
+def tq_mse_encode_packing_order_kernel(
+    X, stride_x, ROT, LEV, BND, OUT, stride_out, SCALE, N, rot_scale, sqrt_d,
+    D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Vectors [N, D] (fp16 / bf16, D a power of two, 32..256) -> packed indices [N, D*B/8] + fp16 scale [N],
+    one segment of B bits, tiles of BN rows looped over by every program. ROT: [D, D] +-1 rows in packing
+    order, in X's type. (Triton's interpreter cannot loop over a run-time range: a program per tile there.)"""
+    i = tl.arange(0, D)
+    rot = tl.load(ROT + i[None, :] * D + i[:, None])  # [D (in), D (out)]: transposed view
+    bnd, lev = _held_codebook(BND, LEV, 1 << B)
+    if INTERPRETING:
+        _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tl.program_id(0), bnd, lev, sqrt_d,
+                                   rot_scale, D, B, NORM_CORRECTION, BN)
+    else:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0), num_stages=STAGES):
+            _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, sqrt_d,
+                                       rot_scale, D, B, NORM_CORRECTION, BN)
 
 
 @triton.jit

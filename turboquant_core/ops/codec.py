@@ -8,15 +8,16 @@ tested against: bit-exact bytes, except coordinates within float rounding of a d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 
-from ..kernels.codec_jit import tq_mse_decode_kernel, tq_mse_encode_kernel
+from ..kernels.codec_jit import tq_mse_decode_kernel, tq_mse_encode_kernel, tq_mse_encode_packing_order_kernel
 from ..packing import pack_indices, unpack_indices
 from ..quantizer import MSEQuantized, MSEQuantizer
-from .rotation_tables import CodecTables, codec_tables, kernel_order_rotation
+from .rotation_tables import CodecTables, codec_tables, kernel_order_rotation, packing_order_rotation
 
 # bf16 outputs: decode's inverse rotation runs as a single fp16 product, whose error (~2.7e-4 RMS for
 # unit-variance coordinates) is a sixth of bf16's own rounding (~1.7e-3). fp16 and fp32 outputs keep the
@@ -34,6 +35,17 @@ def _block_rows(dim_pad: int) -> int:
     return max(16, min(64, 8192 // dim_pad))
 
 
+ENCODERS = ("auto", "products", "butterfly", "packing_order")
+# Where ``encoder="auto"`` takes the packing-order encoder (measured faster than the products there on an H200:
+# benchmarks/results/2026-11-24-h200-packing-order-encode/).
+PACKING_ORDER_AUTO_DIMS = (128, 256)
+# The packing-order encoder's launch: tiles of 64 rows over one warpgroup, three tiles' rows in flight, two
+# programs per SM (each holds the d x d rotation and the row tiles in shared memory).
+PACKING_ORDER_ROWS = 64
+PACKING_ORDER_STAGES = 3
+PACKING_ORDER_PROGRAMS_PER_SM = 2
+
+
 def butterfly_applies(tables: CodecTables) -> bool:
     """Whether the encoder runs the rotation as the in-register Walsh-Hadamard transform
     (``codec_jit._mse_encode_rows_butterfly``): where it was measured faster than the products on an H200,
@@ -41,6 +53,32 @@ def butterfly_applies(tables: CodecTables) -> bool:
     thread spills its registers."""
     bits = [s.bits for s in tables.segments]
     return tables.exact_rot and tables.dim == 64 and bits != [4, 3]
+
+
+def packing_order_applies(tables: CodecTables, dtype: torch.dtype) -> bool:
+    """Whether the packing-order encoder (``codec_jit.tq_mse_encode_packing_order_kernel``) can encode these
+    rows: one segment (1 to 4 bits), a Hadamard rotation of d = 32..256, fp16 or bf16 rows (exact products)."""
+    return (tables.exact_rot and len(tables.segments) == 1 and 32 <= tables.dim <= 256
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+def choose_encoder(tables: CodecTables, dtype: torch.dtype, encoder: str = "auto") -> str:
+    """The encoder that runs: ``encoder`` itself (it must apply), or for "auto" the fastest measured one that
+    applies (packing order at ``PACKING_ORDER_AUTO_DIMS``, else the in-register transform, else products)."""
+    if encoder not in ENCODERS:
+        raise ValueError(f"unknown encoder {encoder!r}; valid encoders: {', '.join(ENCODERS)}")
+    if encoder == "auto":
+        if tables.dim in PACKING_ORDER_AUTO_DIMS and packing_order_applies(tables, dtype):
+            return "packing_order"
+        return "butterfly" if butterfly_applies(tables) else "products"
+    if encoder == "butterfly" and not butterfly_applies(tables):
+        raise ValueError(f"the butterfly encoder serves d = 64 with a Hadamard rotation, except 3.5 bits "
+                         f"(got d={tables.dim}, bits={[s.bits for s in tables.segments]})")
+    if encoder == "packing_order" and not packing_order_applies(tables, dtype):
+        raise ValueError(f"the packing_order encoder serves one-segment formats (1 to 4 bits) of power-of-two "
+                         f"d = 32..256 with fp16 or bf16 rows (got d={tables.dim}, "
+                         f"bits={[s.bits for s in tables.segments]}, {dtype})")
+    return encoder
 
 
 def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterfly: bool = False) -> dict:
@@ -59,6 +97,29 @@ def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterf
     return cfg
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_correction, block_rows, num_warps,
+                          stages=None):
+    n = x2.shape[0]
+    cfg = _launch(t.dim_pad, block_rows or PACKING_ORDER_ROWS, num_warps)
+    cfg.setdefault("num_warps", 4)
+    tiles = triton.cdiv(n, cfg["BN"])
+    programs = tiles
+    if x2.device.type == "cuda":  # a program per tile in Triton's interpreter
+        programs = min(tiles, PACKING_ORDER_PROGRAMS_PER_SM * _sm_count(x2.device))
+    rot = packing_order_rotation(t.dim, bits, seed, str(x2.device), x2.dtype)
+    lv0, b0, _, _ = t.encode_tables()
+    tq_mse_encode_packing_order_kernel[(programs,)](
+        x2, x2.stride(0), rot, lv0, b0, out, out.stride(0), scale, n, t.rot_scale, math.sqrt(t.dim),
+        D=t.dim, B=t.segments[0].bits, NORM_CORRECTION=norm_correction, STAGES=stages or PACKING_ORDER_STAGES,
+        **cfg,
+    )
+
+
 def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.shape[-1] != dim:
         raise ValueError(f"expected last dim {dim}, got {x.shape[-1]}")
@@ -67,22 +128,27 @@ def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True, *,
-           block_rows: int | None = None, num_warps: int | None = None, butterfly: bool = True):
+           block_rows: int | None = None, num_warps: int | None = None, encoder: str = "auto"):
     """Fused rotate + quantize + pack. x [..., d] (fp16/bf16/fp32) -> (packed [..., B] uint8, scale [...] fp16).
-    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed). ``butterfly``:
-    the Hadamard rotation as an in-register Walsh-Hadamard transform where ``butterfly_applies`` (same indices
-    up to coordinates within rounding of a decision boundary)."""
+    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed). ``encoder``
+    (``ENCODERS``; ``choose_encoder``): "auto" takes the fastest measured kernel that applies; "products"
+    (rotation products per packing slot, any format), "butterfly" (the Hadamard rotation as an in-register
+    Walsh-Hadamard transform, d = 64) and "packing_order" (one product per tile, columns in packing order) give
+    the same indices up to coordinates within rounding of a decision boundary."""
     dim = x.shape[-1]
     t = codec_tables(dim, bits, seed, str(x.device))
     x2 = _flat(x, dim)
     n = x2.shape[0]
     out = torch.empty(n, t.index_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
-    bfly = butterfly and butterfly_applies(t)
-    cfg = _launch(t.dim_pad, block_rows, num_warps, bfly)
-    lv0, b0, lv1, b1 = t.encode_tables()
-    signs = t.sign_words if bfly else t.rot_hi
-    if n:
+    kind = choose_encoder(t, x2.dtype, encoder)
+    if n and kind == "packing_order":
+        _encode_packing_order(x2, t, bits, seed, out, scale, norm_correction, block_rows, num_warps)
+    elif n:
+        bfly = kind == "butterfly"
+        cfg = _launch(t.dim_pad, block_rows, num_warps, bfly)
+        lv0, b0, lv1, b1 = t.encode_tables()
+        signs = t.sign_words if bfly else t.rot_hi
         tq_mse_encode_kernel[(triton.cdiv(n, cfg["BN"]),)](
             x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, signs, lv0, b0, lv1, b1, out, out.stride(0), scale,
             n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, BUTTERFLY=bfly, **cfg,

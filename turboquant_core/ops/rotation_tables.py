@@ -170,3 +170,28 @@ def kernel_order_rotation(dim: int, bits: float, seed: int, device: str = "cpu",
     hi = torch.where(keep, tables.rot_hi[src], torch.zeros_like(tables.rot_hi[src])).contiguous()
     lo = torch.where(keep, tables.rot_lo[src], torch.zeros_like(tables.rot_lo[src])).contiguous()
     return hi, lo
+
+
+def packing_order(dim: int) -> torch.Tensor:
+    """Rotated coordinate of each output column n of the packing-order encoder's product
+    (``codec_jit._pack_order_words``): j * dim/8 + g with j = 4 b4 + 2 b3 + b0 and g = (2 b2 + b1) * dim/32 +
+    (n >> 5), b_i bit i of n. A permutation of range(dim) for dim a power of two >= 32."""
+    if dim < 32 or dim & (dim - 1):
+        raise ValueError(f"packing order needs a power-of-two dim >= 32, got {dim}")
+    n = torch.arange(dim)
+    bit = [(n >> i) & 1 for i in range(5)]
+    j = 4 * bit[4] + 2 * bit[3] + bit[0]
+    g = (2 * bit[2] + bit[1]) * (dim // 32) + (n >> 5)
+    return j * (dim // 8) + g
+
+
+@functools.lru_cache(maxsize=256)
+def packing_order_rotation(dim: int, bits: float, seed: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """The +-1 Hadamard rows of ``codec_tables(dim, bits, seed, device)`` (one segment) in ``packing_order``,
+    in ``dtype`` (fp16 or bf16: exact), [dim, dim]."""
+    tables = codec_tables(dim, bits, seed, device)
+    if not tables.exact_rot or len(tables.segments) != 1:
+        raise ValueError(f"the packing-order encoder needs one segment and a Hadamard rotation (d={dim}, bits={bits})")
+    # One segment of a power-of-two dim: table row j*G + g is rotated coordinate j*G + g.
+    rows = tables.rot_hi[packing_order(dim).to(tables.rot_hi.device)]
+    return rows.to(dtype).contiguous()
