@@ -112,7 +112,8 @@ def bench_codec(
     if n_vectors < 1:
         raise ValueError(f"--vectors must be positive, got {n_vectors}")
     if on_cuda:
-        from .ops.codec import decode, encode
+        from .ops.codec import choose_encoder, decode, encode
+        from .ops.rotation_tables import codec_tables
     else:
         from .ops.codec import decode_ref as decode
         from .ops.codec import encode_ref as encode
@@ -129,9 +130,6 @@ def bench_codec(
         moved = n_vectors * dim * BF16_BYTES + n_vectors * (ib + SCALE_BYTES)
         kernel = {"encode": "reference", "decode": "reference"}
         if on_cuda:
-            from .ops.codec import choose_encoder
-            from .ops.rotation_tables import codec_tables
-
             kernel["encode"] = choose_encoder(codec_tables(dim, b, seed, str(device)), x.dtype)
             kernel["decode"] = "triton"
         for op, ms in (("encode", enc_ms), ("decode", dec_ms)):

@@ -102,8 +102,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_correction, block_rows, num_warps,
-                          stages=None):
+def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_correction, block_rows, num_warps):
     n = x2.shape[0]
     cfg = _launch(t.dim_pad, block_rows or PACKING_ORDER_ROWS, num_warps)
     cfg.setdefault("num_warps", 4)
@@ -115,7 +114,7 @@ def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_corre
     lv0, b0, _, _ = t.encode_tables()
     tq_mse_encode_packing_order_kernel[(programs,)](
         x2, x2.stride(0), rot, lv0, b0, out, out.stride(0), scale, n, t.rot_scale, math.sqrt(t.dim),
-        D=t.dim, B=t.segments[0].bits, NORM_CORRECTION=norm_correction, STAGES=stages or PACKING_ORDER_STAGES,
+        D=t.dim, B=t.segments[0].bits, NORM_CORRECTION=norm_correction, STAGES=PACKING_ORDER_STAGES,
         **cfg,
     )
 
