@@ -11,7 +11,10 @@ defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
 packing slot, the in-register Walsh-Hadamard transform of d = 64, which runs only launches with a row per thread,
 and one product per tile in packing order, fp16 / bf16 rows of one segment) against the products' bytes; an
 encoder that does not serve a format is skipped; ``differing_index_bytes`` counts coordinates that fell on the
-other side of a boundary.
+other side of a boundary. ``--searches paired,fp32`` times the packing-order encoder's codebook search both as
+packed fp16 compares (``ops.codec.PACKING_ORDER_PAIRED_BITS``) and as fp32 compares; ``--stages`` and
+``--programs-per-sm`` vary its tiles in flight and persistent programs (``ops.codec.PACKING_ORDER_STAGES``,
+``PACKING_ORDER_PROGRAMS_PER_SM``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import triton.testing
 
 from turboquant_core.bench import BF16_BYTES, SCALE_BYTES, copy_bandwidth_gbs, device_name, index_bytes, parse_bits
+from turboquant_core.ops import codec as codec_ops
 from turboquant_core.ops.codec import choose_encoder, decode, encode
 from turboquant_core.ops.rotation_tables import codec_tables
 
@@ -33,7 +37,13 @@ def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], encoders: list[str]) -> dict:
+SEARCHES = {"paired": codec_ops.PACKING_ORDER_PAIRED_BITS, "fp32": ()}
+DEFAULT_PIPELINE = (codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM)
+
+
+def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], encoders: list[str],
+          searches: tuple[str, ...] = ("paired",), stages: tuple[int, ...] = (codec_ops.PACKING_ORDER_STAGES,),
+          programs: tuple[int, ...] = (codec_ops.PACKING_ORDER_PROGRAMS_PER_SM,)) -> dict:
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbs(dev)
     x = torch.randn(n, dim, generator=torch.Generator(device=dev).manual_seed(0), device=dev).to(torch.bfloat16)
@@ -42,14 +52,21 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
         ref_packed, ref_scale = encode(x, b, 0, encoder="products")
         ref_dec = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16)
         moved = n * dim * BF16_BYTES + n * (index_bytes(dim, b) + SCALE_BYTES)
-        for enc_name, bn, nw in itertools.product(encoders, rows, warps):
+        for enc_name, bn, nw, search, st, per_sm in itertools.product(encoders, rows, warps, searches, stages,
+                                                                       programs):
             try:
                 kind = choose_encoder(codec_tables(dim, b, 0, str(dev)), x.dtype, enc_name)
             except ValueError:
                 continue  # does not serve this format
             if kind == "butterfly" and bn != 32 * nw:  # the in-register transform holds a row per thread
                 continue
+            if kind != "packing_order" and (search, st, per_sm) != (searches[0], stages[0], programs[0]):
+                continue  # the search and pipeline variants are the packing-order encoder's
             row = {"bits": b, "dim": dim, "vectors": n, "encoder": kind, "block_rows": bn, "num_warps": nw}
+            if kind == "packing_order":
+                row.update(search=search, stages=st, programs_per_sm=per_sm)
+            codec_ops.PACKING_ORDER_PAIRED_BITS = SEARCHES[search]
+            codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM = st, per_sm
             try:
                 p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, encoder=kind)
                 d = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16, block_rows=bn, num_warps=nw)
@@ -69,6 +86,8 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
                                "fraction_of_copy": gbs / copy["gbs"]}
             except Exception as e:  # a variant that does not compile (shared memory, registers) is a result too
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            codec_ops.PACKING_ORDER_PAIRED_BITS = SEARCHES["paired"]
+            codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM = DEFAULT_PIPELINE
             print(json.dumps(row), flush=True)
             out.append(row)
     return {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
@@ -84,20 +103,34 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--encoders", default="products,butterfly,packing_order",
                     help="comma-separated ops.codec.ENCODERS (those that do not serve a format are skipped)")
+    ap.add_argument("--searches", default="paired",
+                    help="the packing-order encoder's codebook search: comma-separated of " + ", ".join(SEARCHES))
+    ap.add_argument("--stages", default=str(codec_ops.PACKING_ORDER_STAGES),
+                    help="the packing-order encoder's row tiles in flight, comma-separated")
+    ap.add_argument("--programs-per-sm", default=str(codec_ops.PACKING_ORDER_PROGRAMS_PER_SM),
+                    help="the packing-order encoder's persistent programs per SM, comma-separated")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    searches = tuple(v.strip() for v in a.searches.split(","))
+    if bad := [v for v in searches if v not in SEARCHES]:
+        ap.error(f"unknown search {bad[0]!r}; choose from {', '.join(SEARCHES)}")
     if not torch.cuda.is_available():
         sys.exit("sweep_codec_launch.py times the Triton kernels and needs a CUDA device")
     res = sweep(a.vectors, a.dim, parse_bits(a.bits), [int(v) for v in a.rows.split(",")],
-                [int(v) for v in a.warps.split(",")], [v.strip() for v in a.encoders.split(",")])
+                [int(v) for v in a.warps.split(",")], [v.strip() for v in a.encoders.split(",")], searches,
+                tuple(int(v) for v in a.stages.split(",")), tuple(int(v) for v in a.programs_per_sm.split(",")))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{'bits':>4} {'encoder':>13} {'rows':>4} {'warps':>5} {'enc % copy':>10} {'dec % copy':>10} same")
+    print(f"{'bits':>4} {'encoder':>13} {'search':>6} {'st/sm':>5} {'rows':>4} {'warps':>5} {'enc % copy':>10} "
+          f"{'dec % copy':>10} same")
     for r in res["results"]:
+        pipe = f"{r['stages']}/{r['programs_per_sm']}" if "stages" in r else ""
+        head = (f"{r['bits']:>4g} {r['encoder']:>13} {r.get('search', ''):>6} {pipe:>5} {r['block_rows']:>4} "
+                f"{r['num_warps']:>5}")
         if "error" in r:
-            print(f"{r['bits']:>4g} {r['encoder']:>13} {r['block_rows']:>4} {r['num_warps']:>5} {r['error']}")
+            print(f"{head} {r['error']}")
             continue
-        print(f"{r['bits']:>4g} {r['encoder']:>13} {r['block_rows']:>4} {r['num_warps']:>5} "
+        print(f"{head} "
               f"{100 * r['encode']['fraction_of_copy']:>9.1f}%"
               f" {100 * r['decode']['fraction_of_copy']:>9.1f}% {r['same_bytes'] and r['same_decode']}")
 

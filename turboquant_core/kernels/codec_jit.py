@@ -423,11 +423,133 @@ def _pack_order_words(t, bnd, lev, B: tl.constexpr):
     return word, sumsq
 
 
+def _pair_threshold_masks_asm(thresholds: int) -> str:
+    """PTX for ``_pair_threshold_masks``: operands are the masks (two registers each: the mask and a copy
+    that ptxas drops), then the two coordinates, then each threshold pair word (two registers each)."""
+    o = 2 * (thresholds + 1)
+    lines = ["{", ".reg .b32 h, a, z;",
+             f"cvt.rz.f16x2.f32 h, ${o + 1}, ${o};",  # upper half: the odd column
+             "abs.f16x2 a, h;", "mov.b32 z, 0;"]
+    for k in range(thresholds):
+        lines += [f"set.ge.u32.f16x2 ${2 * k}, a, ${o + 2 + 2 * k};", f"mov.b32 ${2 * k + 1}, ${2 * k};"]
+    lines += [f"set.le.u32.f16x2 ${2 * thresholds}, h, z;", f"mov.b32 ${2 * thresholds + 1}, ${2 * thresholds};", "}"]
+    return "\n".join(lines)
+
+
+def _pair_threshold_masks_constraints(thresholds: int) -> str:
+    return ",".join(["=r"] * (2 * thresholds + 2) + ["r"] * (2 * thresholds + 2))
+
+
+_PAIR_MASKS_ASM_1 = tl.constexpr(_pair_threshold_masks_asm(1))
+_PAIR_MASKS_ASM_3 = tl.constexpr(_pair_threshold_masks_asm(3))
+_PAIR_MASKS_ASM_7 = tl.constexpr(_pair_threshold_masks_asm(7))
+_PAIR_MASKS_CONSTRAINTS_1 = tl.constexpr(_pair_threshold_masks_constraints(1))
+_PAIR_MASKS_CONSTRAINTS_3 = tl.constexpr(_pair_threshold_masks_constraints(3))
+_PAIR_MASKS_CONSTRAINTS_7 = tl.constexpr(_pair_threshold_masks_constraints(7))
+
+
 @triton.jit
-def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, sqrt_d, rot_scale,
-                               D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr):
+def _pair_threshold_masks(s, bnd2, B: tl.constexpr):
+    """Scaled coordinates [..., 2] (the pair: neighbouring register elements) -> (the L/2 - 1 threshold masks,
+    the sign mask), uint32 [..., 2] with both elements of a pair alike. A mask holds the pair's two 16-bit
+    lanes (even coordinate low): 0xFFFF where |s| >= threshold m (or s <= 0), else 0.
+
+    One packed fp16 compare decides two coordinates. The pair is rounded toward zero to fp16, which never
+    crosses a threshold that is itself an fp16 number (``codebooks.decision_boundaries``): the decisions are
+    the fp32 ones. bnd2: ``rotation_tables.encoder_boundary_pairs`` as held scalars."""
+    if B == 2:
+        return tl.inline_asm_elementwise(_PAIR_MASKS_ASM_1, _PAIR_MASKS_CONSTRAINTS_1, [s, bnd2[0]],
+                                         (tl.uint32, tl.uint32), is_pure=True, pack=2)
+    elif B == 3:
+        return tl.inline_asm_elementwise(_PAIR_MASKS_ASM_3, _PAIR_MASKS_CONSTRAINTS_3,
+                                         [s, bnd2[0], bnd2[1], bnd2[2]], (tl.uint32, ) * 4, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_PAIR_MASKS_ASM_7, _PAIR_MASKS_CONSTRAINTS_7,
+                                         [s, bnd2[0], bnd2[1], bnd2[2], bnd2[3], bnd2[4], bnd2[5], bnd2[6]],
+                                         (tl.uint32, ) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _lane_count_total(mask_sum):
+    """A uint32 sum of 16-bit lane masks (each lane 0xFFFF or 0) -> how many lanes were set, both lanes together.
+    Summing words lets the low lane's 0xFFFFs carry into the high lane; the negated sum is exactly
+    v = low + 2^16 (high - low) as an int32 (counts < 2^14), so the total is 2 (v & 0xFFFF) + (v >> 16)."""
+    v = (0 - mask_sum).to(tl.int32, bitcast=True)
+    return 2 * (v & 0xFFFF) + (v >> 16)
+
+
+@triton.jit
+def _pair_tile(t):
+    """A tile [BN, D] in packing order -> [BN, 4, D/32, 2, 2, 2]: (2 b2 + b1, the thread that holds a row's
+    columns in the product's accumulator layout; n >> 5; b4; b3; b0, the pair in neighbouring registers)."""
+    BN: tl.constexpr = t.shape[0]
+    D: tl.constexpr = t.shape[1]
+    t7 = tl.reshape(t, (BN, D // 32, 2, 2, 2, 2, 2))  # (n >> 5, b4, b3, b2, b1, b0)
+    return tl.reshape(tl.permute(t7, (0, 4, 5, 1, 2, 3, 6)), (BN, 4, D // 32, 2, 2, 2))
+
+
+@triton.jit
+def _pack_order_words_from_masks(masks, neg, lev, B: tl.constexpr):
+    """Pair masks (``_pair_threshold_masks``, one element per pair: [BN, 4, D/32, 2, 2] each; ``masks`` the
+    L/2 - 1 thresholds', ``neg`` the sign mask) -> what ``_pack_order_words`` returns for the same coordinates.
+
+    A coordinate's half-index is the count of thresholds at or below |s|. The masks of a pair are summed as
+    words; the negated sum is low + 2^16 (high - low) (see ``_lane_count_total``), and times 0x10001 it is
+    the two counts in their lanes. The rows' sum of c^2 comes from how many coordinates pass each threshold,
+    counted the same way within a thread: sum c^2 = n c_0^2 + sum_m (c_{m+1}^2 - c_m^2) #{|s| >= threshold m}."""
+    BN: tl.constexpr = neg.shape[0]
+    D: tl.constexpr = neg.shape[2] * 32
+    H: tl.constexpr = 1 << (B - 1)
+    M: tl.constexpr = (1 << B) - 1
+    total = tl.zeros(neg.shape, dtype=tl.uint32)
+    sumsq = tl.zeros((BN, 4), dtype=tl.float32) + (D // 4) * lev[0].to(tl.float32, bitcast=True)
+    for m in tl.static_range(H - 1):
+        total += masks[m]
+        passed = _lane_count_total(tl.sum(tl.sum(tl.sum(masks[m], axis=4), axis=3), axis=2))  # within a thread
+        step = lev[m + 1].to(tl.float32, bitcast=True) - lev[m].to(tl.float32, bitcast=True)
+        sumsq += passed.to(tl.float32) * step
+    # Lanes: H + count, or (sign mask set) H - 1 - count = (H + count) ^ (2H - 1): B clean bits each.
+    idx = (total * 0xFFFEFFFF + H * 0x10001) ^ (neg & (M * 0x10001))  # 0xFFFEFFFF: -0x10001 mod 2^32
+    if B == 3:
+        pair = (idx | (idx >> (16 - B))) & ((1 << (2 * B)) - 1)  # slots j, j + 1 (b0)
+        lo, hi = tl.split(pair)  # b3: j and j + 2
+        pair = lo + (hi << (2 * B))
+        lo, hi = tl.split(pair)  # b4: j and j + 4
+        word = lo + (hi << (4 * B))
+    else:
+        # 2 and 4 bits: merge along b3 within the lanes, then along b4 as whole bytes (4B bits): the even
+        # slots' fields from the low lanes, the odd ones' from the high lanes, shifted by B.
+        lo, hi = tl.split(idx)  # b3
+        x = lo + (hi << (2 * B))
+        lo, hi = tl.split(x)  # b4
+        even = (lo & 0xFFFF) | ((hi & 0xFFFF) << (4 * B))
+        odd = (lo >> 16) | ((hi >> 16) << (4 * B))
+        word = even + (odd << B)
+    return tl.reshape(word, (BN, D // 8)), tl.sum(sumsq, axis=1)
+
+
+@triton.jit
+def _pack_order_words_paired(t, bnd2, lev, B: tl.constexpr):
+    """``_pack_order_words`` with the codebook search as packed fp16 compares, two coordinates per
+    instruction (``_pair_threshold_masks``, then ``_pack_order_words_from_masks``). Decisions are the fp32
+    ones but for an exact tie at a threshold (measure zero), which counts here as reaching it. GPU only."""
+    H: tl.constexpr = 1 << (B - 1)
+    masks = _pair_threshold_masks(_pair_tile(t), bnd2, B)
+    neg, _ = tl.split(masks[H - 1])
+    held = ()
+    for m in tl.static_range(H - 1):
+        mask, _ = tl.split(masks[m])
+        held = held + (mask,)
+    return _pack_order_words_from_masks(held, neg, lev, B)
+
+
+@triton.jit
+def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, sqrt_d, rot_scale,
+                               D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr,
+                               PAIRED: tl.constexpr):
     """Rows [tile*BN, tile*BN + BN) -> packed indices and fp16 scales; rot: [D, D] +-1 operand in packing order
-    (the transposed view of ``rotation_tables.packing_order_rotation``)."""
+    (the transposed view of ``rotation_tables.packing_order_rotation``). PAIRED: the search as packed fp16
+    compares (``_pack_order_words_paired``), else as fp32 compares (``_pack_order_words``)."""
     i = tl.arange(0, D)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -438,7 +560,10 @@ def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile
         t = tl.dot(x, rot)  # exact products, fp32 sums: t = sqrt(d) * R x
     ss = tl.sum(t * t, axis=1)  # d |x|^2
     row_mul = tl.where(ss > 0, sqrt_d * tl.rsqrt(tl.where(ss > 0, ss, 1.0)), 0.0)
-    word, sumsq = _pack_order_words(t * row_mul[:, None], bnd, lev, B)
+    if PAIRED:
+        word, sumsq = _pack_order_words_paired(t * row_mul[:, None], bnd2, lev, B)
+    else:
+        word, sumsq = _pack_order_words(t * row_mul[:, None], bnd, lev, B)
     G: tl.constexpr = D // 8
     g = tl.arange(0, G)
     out_off = rows.to(tl.int64) * stride_out
@@ -451,22 +576,28 @@ def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile
 
 @triton.jit
 def tq_mse_encode_packing_order_kernel(
-    X, stride_x, ROT, LEV, BND, OUT, stride_out, SCALE, N, rot_scale, sqrt_d,
+    X, stride_x, ROT, LEV, BND, BND2, OUT, stride_out, SCALE, N, rot_scale, sqrt_d,
     D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     """Vectors [N, D] (fp16 / bf16, D a power of two, 32..256) -> packed indices [N, D*B/8] + fp16 scale [N],
     one segment of B bits, tiles of BN rows looped over by every program. ROT: [D, D] +-1 rows in packing
-    order, in X's type. (Triton's interpreter cannot loop over a run-time range: a program per tile there.)"""
+    order, in X's type; BND2: ``rotation_tables.encoder_boundary_pairs`` (read when PAIRED, GPU only).
+    (Triton's interpreter cannot loop over a run-time range: a program per tile there.)"""
     i = tl.arange(0, D)
     rot = tl.load(ROT + i[None, :] * D + i[:, None])  # [D (in), D (out)]: transposed view
     bnd, lev = _held_codebook(BND, LEV, 1 << B)
+    bnd2 = ()
+    if PAIRED:
+        for m in tl.static_range((1 << (B - 1)) - 1):
+            bnd2 = bnd2 + (tl.load(BND2 + m),)
     if INTERPRETING:
-        _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tl.program_id(0), bnd, lev, sqrt_d,
-                                   rot_scale, D, B, NORM_CORRECTION, BN)
+        _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tl.program_id(0), bnd, lev, bnd2,
+                                   sqrt_d, rot_scale, D, B, NORM_CORRECTION, BN, PAIRED)
     else:
         for tile in tl.range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0), num_stages=STAGES):
-            _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, sqrt_d,
-                                       rot_scale, D, B, NORM_CORRECTION, BN)
+            _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, sqrt_d,
+                                       rot_scale, D, B, NORM_CORRECTION, BN, PAIRED)
 
 
 @triton.jit

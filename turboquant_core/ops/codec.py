@@ -36,21 +36,25 @@ def _block_rows(dim_pad: int) -> int:
 
 
 ENCODERS = ("auto", "products", "butterfly", "packing_order")
-# Where ``encoder="auto"`` takes the packing-order encoder (measured faster than the products there on an H200:
-# benchmarks/results/2026-11-24-h200-packing-order-encode/).
-PACKING_ORDER_AUTO_DIMS = (128, 256)
+# Where ``encoder="auto"`` takes the packing-order encoder (measured faster than the products and, at d = 64, than
+# the in-register transform on an H200 at 2 to 4 bits: benchmarks/results/2026-11-24-h200-paired-search/).
+PACKING_ORDER_AUTO_DIMS = (64, 128, 256)
 # The packing-order encoder's launch: tiles of 64 rows over one warpgroup, three tiles' rows in flight, two
 # programs per SM (each holds the d x d rotation and the row tiles in shared memory).
 PACKING_ORDER_ROWS = 64
 PACKING_ORDER_STAGES = 3
 PACKING_ORDER_PROGRAMS_PER_SM = 2
+# Widths whose codebook search runs as packed fp16 compares (``codec_jit._pack_order_words_paired``; inline PTX,
+# so never in Triton's interpreter).
+PACKING_ORDER_PAIRED_BITS = (2, 3, 4)
 
 
 def butterfly_applies(tables: CodecTables) -> bool:
     """Whether the encoder runs the rotation as the in-register Walsh-Hadamard transform
     (``codec_jit._mse_encode_rows_butterfly``): where it was measured faster than the products on an H200,
     d = 64 except 3.5 bits (``benchmarks/results/2026-11-24-h200-butterfly-encode/``). At d = 128 a row per
-    thread spills its registers."""
+    thread spills its registers. "auto" takes it where the packing-order encoder does not apply (fp32 rows, two
+    segments)."""
     bits = [s.bits for s in tables.segments]
     return tables.exact_rot and tables.dim == 64 and bits != [4, 3]
 
@@ -112,10 +116,11 @@ def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_corre
         programs = min(tiles, PACKING_ORDER_PROGRAMS_PER_SM * _sm_count(x2.device))
     rot = packing_order_rotation(t.dim, bits, seed, str(x2.device), x2.dtype)
     lv0, b0, _, _ = t.encode_tables()
+    b = t.segments[0].bits
     tq_mse_encode_packing_order_kernel[(programs,)](
-        x2, x2.stride(0), rot, lv0, b0, out, out.stride(0), scale, n, t.rot_scale, math.sqrt(t.dim),
-        D=t.dim, B=t.segments[0].bits, NORM_CORRECTION=norm_correction, STAGES=PACKING_ORDER_STAGES,
-        **cfg,
+        x2, x2.stride(0), rot, lv0, b0, t.boundary_pairs[0], out, out.stride(0), scale, n, t.rot_scale,
+        math.sqrt(t.dim), D=t.dim, B=b, NORM_CORRECTION=norm_correction, STAGES=PACKING_ORDER_STAGES,
+        PAIRED=x2.device.type == "cuda" and b in PACKING_ORDER_PAIRED_BITS, **cfg,
     )
 
 

@@ -45,6 +45,7 @@ class CodecTables:
     centroids: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits]
     boundaries: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits - 1]
     levels: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1)]: ``encoder_levels``
+    boundary_pairs: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1) - 1]: ``encoder_boundary_pairs``
     index_bytes: int
 
     def kernel_constexprs(self) -> dict:
@@ -76,6 +77,18 @@ def encoder_levels(centroids: torch.Tensor) -> torch.Tensor:
     h = centroids.numel() // 2
     sq = (centroids[h:].float() ** 2).view(torch.int32)
     return ((sq & ~(h - 1)) | torch.arange(h, dtype=torch.int32, device=centroids.device)).contiguous()
+
+
+def encoder_boundary_pairs(boundaries: torch.Tensor) -> torch.Tensor:
+    """int32 [L/2 - 1] for a symmetric codebook of L levels: the positive thresholds, each as an fp16 pair (the
+    same fp16 number in both halves), for the packed fp16 compares of ``codec_jit._pair_threshold_masks``. The
+    thresholds are fp16 numbers by construction (``codebooks.decision_boundaries``); checked here, since the
+    compares are exact only then."""
+    pos = boundaries[(boundaries.numel() + 1) // 2 :].float()
+    f16 = pos.to(torch.float16)
+    if not torch.equal(f16.float(), pos):
+        raise ValueError("encoder thresholds must be fp16 numbers (codebooks.decision_boundaries)")
+    return ((f16.view(torch.int16).to(torch.int32) & 0xFFFF) * 0x10001).contiguous()
 
 
 def sign_bit_words(signs: torch.Tensor) -> torch.Tensor:
@@ -114,7 +127,7 @@ def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
     sign_words = sign_bit_words(r[0]).to(device) if exact else torch.zeros(0, dtype=torch.int32, device=device)
     return CodecTables(dim, dim_pad, tuple(geoms), hi, lo.to(device).contiguous(), hi.to(torch.bfloat16),
                        rot_scale, exact, sign_words, tuple(cents), tuple(bnds), tuple(encoder_levels(c) for c in cents),
-                       byte0)
+                       tuple(encoder_boundary_pairs(b) for b in bnds), byte0)
 
 
 @functools.lru_cache(maxsize=256)
