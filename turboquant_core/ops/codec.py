@@ -32,7 +32,11 @@ def permute_lookup_applies(tables: CodecTables) -> bool:
 
 
 def _block_rows(dim_pad: int) -> int:
-    return max(16, min(64, 8192 // dim_pad))
+    """Rows per program of the products' encoder and of the decoder: 64 up to a padded d of 256 (at d = 256,
+    64 rows ran encode and decode at about twice the speed of 32 on an H200:
+    benchmarks/results/2026-11-24-h200-packing-order-encode/sweep-d256.json), 16 above, where the products
+    run over chunks of the rotation."""
+    return 64 if dim_pad <= 256 else 16
 
 
 ENCODERS = ("auto", "products", "butterfly", "packing_order")
