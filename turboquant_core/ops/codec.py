@@ -106,6 +106,13 @@ def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterf
 
 
 @functools.lru_cache(maxsize=16)
+def _paired_search_runs(device: torch.device) -> bool:
+    """Whether the packed fp16 search (inline PTX: cvt.rz.f16x2.f32 needs sm_80) runs on ``device``."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -124,7 +131,7 @@ def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_corre
     tq_mse_encode_packing_order_kernel[(programs,)](
         x2, x2.stride(0), rot, lv0, b0, t.boundary_pairs[0], out, out.stride(0), scale, n, t.rot_scale,
         math.sqrt(t.dim), D=t.dim, B=b, NORM_CORRECTION=norm_correction, STAGES=PACKING_ORDER_STAGES,
-        PAIRED=x2.device.type == "cuda" and b in PACKING_ORDER_PAIRED_BITS, **cfg,
+        PAIRED=b in PACKING_ORDER_PAIRED_BITS and _paired_search_runs(x2.device), **cfg,
     )
 
 
