@@ -68,8 +68,8 @@ def _scaled_density(dim: int | None) -> tuple[np.ndarray, np.ndarray]:
     return s, p
 
 
-def _lloyd_max(s: np.ndarray, p: np.ndarray, levels: int) -> tuple[np.ndarray, float]:
-    """Lloyd iterations on a grid; returns centroids and distortion.
+def _lloyd_max(s: np.ndarray, p: np.ndarray, levels: int) -> np.ndarray:
+    """Lloyd iterations on a grid; returns the centroids.
 
     Cell masses and first moments are cumulative trapezoid integrals interpolated linearly at the
     boundaries, so a boundary that moves by less than a grid step still moves the centroids:
@@ -91,7 +91,7 @@ def _lloyd_max(s: np.ndarray, p: np.ndarray, levels: int) -> tuple[np.ndarray, f
             c = new
             break
         c = new
-    return c, _distortion(s, p, c, 0.5 * (c[1:] + c[:-1]))
+    return c
 
 
 def _distortion(s: np.ndarray, p: np.ndarray, c: np.ndarray, b: np.ndarray) -> float:
@@ -128,7 +128,7 @@ def lloyd_max_codebook(bits: int, dim: int | None = None) -> Codebook:
     if dim is not None and dim >= GAUSSIAN_LIMIT_DIM:
         dim = None
     s, p = _scaled_density(dim)
-    c, _ = _lloyd_max(s, p, 2**bits)
+    c = _lloyd_max(s, p, 2**bits)
     # Symmetrize: the density is even, so the optimum is too; this removes grid asymmetry.
     c = 0.5 * (c - c[::-1])
     b = decision_boundaries(c)
