@@ -11,8 +11,9 @@ defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
 packing slot, the in-register Walsh-Hadamard transform of d = 64, which runs only launches with a row per thread,
 and one product per tile in packing order, fp16 / bf16 rows of one segment) against the products' bytes; an
 encoder that does not serve a format is skipped; ``differing_index_bytes`` counts coordinates that fell on the
-other side of a boundary. ``--searches paired,fp32`` times the packing-order encoder's codebook search both as
-packed fp16 compares (``ops.codec.PACKING_ORDER_PAIRED_BITS``) and as fp32 compares; ``--stages`` and
+other side of a boundary. ``--searches polynomial,paired,fp32`` times the packing-order encoder's codebook search
+as the default (the 4-bit index polynomial, ``ops.codec.PACKING_ORDER_POLYNOMIAL_BITS``, elsewhere packed fp16
+compares), as packed fp16 compares only (``ops.codec.PACKING_ORDER_PAIRED_BITS``) and as fp32 compares; ``--stages`` and
 ``--programs-per-sm`` vary its tiles in flight and persistent programs (``ops.codec.PACKING_ORDER_STAGES``,
 ``PACKING_ORDER_PROGRAMS_PER_SM``).
 """
@@ -37,12 +38,14 @@ def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-SEARCHES = {"paired": codec_ops.PACKING_ORDER_PAIRED_BITS, "fp32": ()}
+# search name -> (widths as packed fp16 compares, widths as the index polynomial)
+SEARCHES = {"polynomial": (codec_ops.PACKING_ORDER_PAIRED_BITS, codec_ops.PACKING_ORDER_POLYNOMIAL_BITS),
+            "paired": (codec_ops.PACKING_ORDER_PAIRED_BITS, ()), "fp32": ((), ())}
 DEFAULT_PIPELINE = (codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM)
 
 
 def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], encoders: list[str],
-          searches: tuple[str, ...] = ("paired",), stages: tuple[int, ...] = (codec_ops.PACKING_ORDER_STAGES,),
+          searches: tuple[str, ...] = ("polynomial",), stages: tuple[int, ...] = (codec_ops.PACKING_ORDER_STAGES,),
           programs: tuple[int, ...] = (codec_ops.PACKING_ORDER_PROGRAMS_PER_SM,)) -> dict:
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbs(dev)
@@ -65,7 +68,7 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
             row = {"bits": b, "dim": dim, "vectors": n, "encoder": kind, "block_rows": bn, "num_warps": nw}
             if kind == "packing_order":
                 row.update(search=search, stages=st, programs_per_sm=per_sm)
-            codec_ops.PACKING_ORDER_PAIRED_BITS = SEARCHES[search]
+            codec_ops.PACKING_ORDER_PAIRED_BITS, codec_ops.PACKING_ORDER_POLYNOMIAL_BITS = SEARCHES[search]
             codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM = st, per_sm
             try:
                 p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, encoder=kind)
@@ -86,7 +89,7 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
                                "fraction_of_copy": gbs / copy["gbs"]}
             except Exception as e:  # a variant that does not compile (shared memory, registers) is a result too
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            codec_ops.PACKING_ORDER_PAIRED_BITS = SEARCHES["paired"]
+            codec_ops.PACKING_ORDER_PAIRED_BITS, codec_ops.PACKING_ORDER_POLYNOMIAL_BITS = SEARCHES["polynomial"]
             codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM = DEFAULT_PIPELINE
             print(json.dumps(row), flush=True)
             out.append(row)
@@ -103,7 +106,7 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--encoders", default="products,butterfly,packing_order",
                     help="comma-separated ops.codec.ENCODERS (those that do not serve a format are skipped)")
-    ap.add_argument("--searches", default="paired",
+    ap.add_argument("--searches", default="polynomial",
                     help="the packing-order encoder's codebook search: comma-separated of " + ", ".join(SEARCHES))
     ap.add_argument("--stages", default=str(codec_ops.PACKING_ORDER_STAGES),
                     help="the packing-order encoder's row tiles in flight, comma-separated")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from turboquant_core.codebooks import SUPPORTED_BITS, codebook_tensors, lloyd_max_codebook
+from turboquant_core.index_polynomial import step_thresholds
 from turboquant_core.rotation import SUPPORTED_HEAD_DIMS
 
 # Lloyd-Max quantizers of N(0, 1) (Max 1960, table I; TurboQuant table of distortions).
@@ -67,10 +68,18 @@ def test_exact_dim_codebook_is_symmetric_sorted_with_fp16_midpoint_boundaries(bi
     assert len(c) == 2**bits and len(b) == 2**bits - 1
     assert np.all(np.diff(c) > 0)
     np.testing.assert_allclose(c, -c[::-1], atol=1e-12)
-    # Thresholds: the midpoints rounded to the nearest fp16 value (an fp16 number, within half an fp16 step).
+    # Thresholds: the midpoints rounded to the nearest fp16 value (an fp16 number, within half an fp16 step);
+    # where an index polynomial is stored, its step points, within one fp16 step of those.
     mid = 0.5 * (c[1:] + c[:-1])
-    np.testing.assert_array_equal(b, mid.astype(np.float16).astype(np.float64))
-    assert np.all(np.abs(b - mid) <= 2.0**-11 * np.abs(mid))
+    rounded = mid.astype(np.float16).astype(np.float64)
+    assert np.array_equal(b.astype(np.float16).astype(np.float64), b)
+    if step_thresholds(bits, dim) is None:
+        np.testing.assert_array_equal(b, rounded)
+        assert np.all(np.abs(b - mid) <= 2.0**-11 * np.abs(mid))
+    else:
+        np.testing.assert_array_equal(b[2 ** (bits - 1):], step_thresholds(bits, dim))
+        np.testing.assert_array_equal(b, -b[::-1])
+        assert np.all(np.abs(b - rounded) <= np.spacing(rounded.astype(np.float16)).astype(np.float64))
     # Scaled coordinates live in [-sqrt(d), sqrt(d)].
     assert c[-1] < math.sqrt(dim)
 

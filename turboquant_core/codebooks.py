@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .index_polynomial import step_thresholds
+
 SUPPORTED_BITS = (1, 2, 3, 4)
 # Above this dimension the exact density and N(0, 1) agree to better than 1e-6 in the
 # codebook values; the Gaussian is used and cached once.
@@ -36,8 +38,8 @@ class Codebook:
     """Sorted centroids and the decision boundaries between them.
 
     ``centroids``: shape [2**bits], ascending. ``boundaries``: shape [2**bits - 1], the midpoints of
-    neighbouring centroids rounded to the nearest fp16 value (``decision_boundaries``); a scaled
-    coordinate s maps to index ``sum(s > boundaries)``.
+    neighbouring centroids rounded to fp16 values (``decision_boundaries``); a scaled coordinate s maps
+    to index ``sum(s > boundaries)``.
     """
 
     bits: int
@@ -101,7 +103,7 @@ def _distortion(s: np.ndarray, p: np.ndarray, c: np.ndarray, b: np.ndarray) -> f
     return float(np.sum(w * (s - c[idx]) ** 2) / np.sum(w))
 
 
-def decision_boundaries(centroids: np.ndarray) -> np.ndarray:
+def decision_boundaries(centroids: np.ndarray, bits: int | None = None, dim: int | None = None) -> np.ndarray:
     """The encoder's thresholds: midpoints of neighbouring centroids, rounded to the nearest fp16 value.
 
     A threshold that is an fp16 number lets an encoder compare in packed fp16 pairs and still decide
@@ -109,8 +111,22 @@ def decision_boundaries(centroids: np.ndarray) -> np.ndarray:
     ``rz(|s|) >= b`` holds exactly when ``|s| >= b``. Rounding moves a threshold by at most 2^-11 of
     itself (under 0.0014 for every codebook here), which changes the distortion by under 1e-7: the
     optimum is flat to first order in the thresholds. Levels are untouched, so decoding is not affected.
+
+    Where an index polynomial is stored for (bits, dim) (``index_polynomial``: 4 bits at d = 64, 128, 256)
+    the positive thresholds are its step points instead, each within one fp16 step of the rounded
+    midpoint (checked here), so that every encoder decides as that polynomial does.
     """
-    return (0.5 * (centroids[1:] + centroids[:-1])).astype(np.float16).astype(np.float64)
+    b = (0.5 * (centroids[1:] + centroids[:-1])).astype(np.float16).astype(np.float64)
+    steps = step_thresholds(bits, dim) if bits is not None and dim is not None else None
+    if steps is not None:
+        half = len(b) // 2
+        pos = np.asarray(steps)
+        ulp = np.spacing(b[half + 1 :].astype(np.float16)).astype(np.float64)
+        if len(pos) != half or np.any(np.abs(pos - b[half + 1 :]) > ulp):
+            raise ValueError(f"the index polynomial for {bits} bits, d = {dim} steps more than one fp16 value "
+                             "away from the codebook's midpoints")
+        b = np.concatenate([-pos[::-1], [0.0], pos])
+    return b
 
 
 @functools.cache
@@ -131,7 +147,7 @@ def lloyd_max_codebook(bits: int, dim: int | None = None) -> Codebook:
     c = _lloyd_max(s, p, 2**bits)
     # Symmetrize: the density is even, so the optimum is too; this removes grid asymmetry.
     c = 0.5 * (c - c[::-1])
-    b = decision_boundaries(c)
+    b = decision_boundaries(c, bits, dim)
     return Codebook(bits, dim, tuple(float(v) for v in c), tuple(float(v) for v in b), _distortion(s, p, c, b))
 
 

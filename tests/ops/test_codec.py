@@ -9,7 +9,13 @@ import triton
 import triton.language as tl
 
 from turboquant_core.codebooks import codebook_tensors
-from turboquant_core.kernels.codec_jit import _held_codebook, _pack_order_words, _pack_order_words_from_masks
+from turboquant_core.index_polynomial import INDEX_POLYNOMIALS, magnitude_index
+from turboquant_core.kernels.codec_jit import (
+    _held_codebook,
+    _pack_order_words,
+    _pack_order_words_from_masks,
+    _pack_order_words_from_polynomial,
+)
 from turboquant_core.ops.codec import (
     ENCODERS,
     butterfly_applies,
@@ -22,8 +28,10 @@ from turboquant_core.ops.codec import (
     unpack_segments,
 )
 from turboquant_core.ops.rotation_tables import (
+    SQUARE_FRACTION_BITS,
     codec_tables,
     encoder_boundary_pairs,
+    encoder_index_polynomial,
     packing_order,
     packing_order_rotation,
     sign_bit_words,
@@ -421,6 +429,102 @@ def test_packed_fp16_search_counts_and_packs_as_the_fp32_search(device, dim, bit
         # the encoder's product accumulator), rows mixed by the reduction over the permuted tile; its words
         # were right. The encoder itself, in the accumulator layout, matches the reference's scales.
         torch.testing.assert_close(sumsq["sumsq_ref"].cpu(), exact, rtol=2**-18, atol=0)
+
+
+def _pair_tile_of(s: torch.Tensor) -> torch.Tensor:
+    bn, d = s.shape
+    return s.reshape(bn, d // 32, 2, 2, 2, 2, 2).permute(0, 4, 5, 1, 2, 3, 6).reshape(bn, 4, d // 32, 2, 2, 2)
+
+
+def _lane_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    w = lo.long() + (hi.long() << 16)
+    return (w - (w >= 2**31).long() * 2**32).int().contiguous()
+
+
+def _polynomial_lanes(s: torch.Tensor, dim: int):
+    """What ``codec_jit._index_polynomial_lanes`` computes, per pair of a packing-order tile [BN, D], from the
+    stored polynomial and the codebook: (index lanes, g low bytes, g high bytes) as int32 words [BN, 4, D/32, 2, 2]."""
+    a = _round_toward_zero_f16(_pair_tile_of(s)).double()
+    k = torch.from_numpy(magnitude_index(a.abs().numpy(), INDEX_POLYNOMIALS[(4, dim)]))
+    idx = torch.where(a <= 0, 7 - k, 8 + k)
+    half = codebook_tensors(4, dim)[0].double()[8:]
+    g = torch.round((half[k] ** 2 - half[0] ** 2) * 2**SQUARE_FRACTION_BITS).long()
+    return (_lane_words(idx[..., 0], idx[..., 1]), _lane_words(g[..., 0] & 0xFF, g[..., 1] & 0xFF),
+            _lane_words(g[..., 0] >> 8, g[..., 1] >> 8)), idx
+
+
+@triton.jit
+def _polynomial_words_probe(S, IDX, GLO, GHI, POLY, LEV, BND, WORD, WORD_REF, SUMSQ,
+                            BN: tl.constexpr, D: tl.constexpr):
+    r = tl.arange(0, BN)
+    i = tl.arange(0, D)
+    bnd, lev = _held_codebook(BND, LEV, 16)
+    word_ref, _ = _pack_order_words(tl.load(S + r[:, None] * D + i[None, :]), bnd, lev, 4)
+    q = tl.arange(0, 4)[None, :, None, None, None] * (D // 8)
+    n5 = tl.arange(0, D // 32)[None, None, :, None, None] * 4
+    pair = r[:, None, None, None, None] * (D // 2) + q + n5 + tl.arange(0, 2)[None, None, None, :, None] * 2
+    pair = pair + tl.arange(0, 2)[None, None, None, None, :]
+    idx = tl.load(IDX + pair).to(tl.uint32, bitcast=True)
+    glo = tl.load(GLO + pair).to(tl.uint32, bitcast=True)
+    ghi = tl.load(GHI + pair).to(tl.uint32, bitcast=True)
+    word, sumsq = _pack_order_words_from_polynomial(idx, glo, ghi, tl.load(POLY + 10))
+    g = tl.arange(0, D // 8)
+    tl.store(WORD + r[:, None] * (D // 8) + g[None, :], word.to(tl.int32, bitcast=True))
+    tl.store(WORD_REF + r[:, None] * (D // 8) + g[None, :], word_ref.to(tl.int32, bitcast=True))
+    tl.store(SUMSQ + r, sumsq)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_index_polynomial_search_decides_counts_and_packs_as_the_thresholds(device, dim):
+    # The polynomial's decisions (emulated in fp16 as the PTX computes them) are the reference quantizer's, and
+    # the arithmetic after it (field merges, c^2 from the byte lanes) gives the fp32 search's words and the
+    # rows' sum of c^2 within 2^-14 per coordinate. Rows in the outermost cells, exact zeros, and coordinates
+    # spread over all cells, some right at the thresholds.
+    tables = codec_tables(dim, 4, SEED)
+    bn = 16
+    s = torch.randn(bn, dim, generator=torch.Generator().manual_seed(7)) * 1.3
+    s[0], s[1], s[2] = 3.5, -3.5, 0.0
+    s[3, ::3] = 0.0
+    thresholds = tables.boundaries[0]
+    s[4, : thresholds.numel()] = thresholds
+    s[5, : thresholds.numel()] = torch.nextafter(thresholds, torch.full_like(thresholds, -10.0))
+    (idx, glo, ghi), lanes = _polynomial_lanes(s, dim)
+    # Ties at a threshold count as reaching it here (the reference puts them below): row 4 is all ties.
+    ref = (_pair_tile_of(s)[..., None] > thresholds).sum(-1)
+    tie = (_pair_tile_of(s)[..., None] == thresholds[thresholds > 0]).any(-1)
+    assert torch.equal(lanes[~tie], ref[~tie]) and torch.equal(lanes[tie], ref[tie] + 1)
+    # The fp32 search puts ties inward on both sides: compare it on the ties moved outward by one step.
+    s_ref = torch.where(torch.isin(s, thresholds[thresholds != 0]), torch.nextafter(s, 10.0 * torch.sign(s)), s)
+    dev = torch.device(device)
+    out = {k: torch.empty(bn, dim // 8, dtype=torch.int32, device=dev) for k in ("word", "word_ref")}
+    sumsq = torch.empty(bn, device=dev)
+    _polynomial_words_probe[(1,)](s_ref.to(dev), idx.to(dev), glo.to(dev), ghi.to(dev),
+                                  tables.index_polynomial.to(dev), tables.levels[0].to(dev), thresholds.to(dev),
+                                  out["word"], out["word_ref"], sumsq, BN=bn, D=dim)
+    bad = (out["word"] != out["word_ref"]).any(1).nonzero().flatten().tolist()
+    assert not bad, bad
+    centroids = codebook_tensors(4, dim)[0].double()
+    exact = (centroids[(s_ref[..., None] > thresholds).sum(-1)] ** 2).sum(-1)
+    assert torch.all((sumsq.cpu().double() - exact).abs() <= dim * 2.0**-14 + exact * 2.0**-20)
+
+
+def test_index_polynomial_tables_hold_the_coefficients_and_c_squared_bytes():
+    for dim in (64, 128, 256):
+        t = codec_tables(dim, 4, SEED)
+        words = t.index_polynomial.long() & 0xFFFFFFFF
+        assert t.index_polynomial.dtype == torch.int32 and words.shape == (11,)
+        coeffs = INDEX_POLYNOMIALS[(4, dim)].coefficients()
+        lo16 = (words[:6] & 0xFFFF).to(torch.int16).view(torch.float16).double()
+        assert torch.equal(words[:6] >> 16, words[:6] & 0xFFFF) and lo16.tolist() == list(coeffs)
+        g_bytes = torch.stack([(words[6:10] >> (8 * i)) & 0xFF for i in range(4)], 1)  # [word, byte]
+        g = torch.cat([g_bytes[0], g_bytes[1]]) + 256 * torch.cat([g_bytes[2], g_bytes[3]])
+        half = codebook_tensors(4, dim)[0].double()[8:]
+        assert g[0] == 0
+        torch.testing.assert_close(g.double() / 2**SQUARE_FRACTION_BITS, half**2 - half[0] ** 2, atol=2**-14, rtol=0)
+        assert t.index_polynomial[10].view(torch.float32) == half[0].float() ** 2
+    assert codec_tables(128, 3, SEED).index_polynomial is None and codec_tables(96, 4, SEED).index_polynomial is None
+    assert codec_tables(128, 3.5, SEED).index_polynomial is None
+    assert encoder_index_polynomial(4, 80, codebook_tensors(4, 80)[0]) is None
 
 
 def test_sign_bit_words_hold_the_rotation_diagonal():

@@ -489,6 +489,30 @@ def _pair_tile(t):
 
 
 @triton.jit
+def _pack_order_words_from_lanes(idx, B: tl.constexpr):
+    """Pair words [BN, 4, D/32, 2, 2] whose two 16-bit lanes hold the B-bit indices of a pair (even
+    coordinate low, nothing above bit B - 1 in a lane) -> [BN, D/8] uint32 words, b-bit field j = slot j."""
+    BN: tl.constexpr = idx.shape[0]
+    D: tl.constexpr = idx.shape[2] * 32
+    if B == 3:
+        pair = (idx | (idx >> (16 - B))) & ((1 << (2 * B)) - 1)  # slots j, j + 1 (b0)
+        lo, hi = tl.split(pair)  # b3: j and j + 2
+        pair = lo + (hi << (2 * B))
+        lo, hi = tl.split(pair)  # b4: j and j + 4
+        word = lo + (hi << (4 * B))
+    else:
+        # 2 and 4 bits: merge along b3 within the lanes, then along b4 as whole bytes (4B bits): the even
+        # slots' fields from the low lanes, the odd ones' from the high lanes, shifted by B.
+        lo, hi = tl.split(idx)  # b3
+        x = lo + (hi << (2 * B))
+        lo, hi = tl.split(x)  # b4
+        even = (lo & 0xFFFF) | ((hi & 0xFFFF) << (4 * B))
+        odd = (lo >> 16) | ((hi >> 16) << (4 * B))
+        word = even + (odd << B)
+    return tl.reshape(word, (BN, D // 8))
+
+
+@triton.jit
 def _pack_order_words_from_masks(masks, neg, lev, B: tl.constexpr):
     """Pair masks (``_pair_threshold_masks``, one element per pair: [BN, 4, D/32, 2, 2] each; ``masks`` the
     L/2 - 1 thresholds', ``neg`` the sign mask) -> what ``_pack_order_words`` returns for the same coordinates.
@@ -510,22 +534,7 @@ def _pack_order_words_from_masks(masks, neg, lev, B: tl.constexpr):
         sumsq += passed.to(tl.float32) * step
     # Lanes: H + count, or (sign mask set) H - 1 - count = (H + count) ^ (2H - 1): B clean bits each.
     idx = (total * 0xFFFEFFFF + H * 0x10001) ^ (neg & (M * 0x10001))  # 0xFFFEFFFF: -0x10001 mod 2^32
-    if B == 3:
-        pair = (idx | (idx >> (16 - B))) & ((1 << (2 * B)) - 1)  # slots j, j + 1 (b0)
-        lo, hi = tl.split(pair)  # b3: j and j + 2
-        pair = lo + (hi << (2 * B))
-        lo, hi = tl.split(pair)  # b4: j and j + 4
-        word = lo + (hi << (4 * B))
-    else:
-        # 2 and 4 bits: merge along b3 within the lanes, then along b4 as whole bytes (4B bits): the even
-        # slots' fields from the low lanes, the odd ones' from the high lanes, shifted by B.
-        lo, hi = tl.split(idx)  # b3
-        x = lo + (hi << (2 * B))
-        lo, hi = tl.split(x)  # b4
-        even = (lo & 0xFFFF) | ((hi & 0xFFFF) << (4 * B))
-        odd = (lo >> 16) | ((hi >> 16) << (4 * B))
-        word = even + (odd << B)
-    return tl.reshape(word, (BN, D // 8)), tl.sum(sumsq, axis=1)
+    return _pack_order_words_from_lanes(idx, B), tl.sum(sumsq, axis=1)
 
 
 @triton.jit
@@ -543,13 +552,89 @@ def _pack_order_words_paired(t, bnd2, lev, B: tl.constexpr):
     return _pack_order_words_from_masks(held, neg, lev, B)
 
 
+def _index_polynomial_asm() -> str:
+    """PTX for ``_index_polynomial_lanes`` (``index_polynomial``: the rule and why). Operands: three outputs
+    (two registers each: the word and a copy that ptxas drops), the pair of coordinates, then the 10
+    table words of ``rotation_tables.encoder_index_polynomial`` (two registers each)."""
+    c4, c3, c2, c1, c0, clamp, tlo0, tlo1, thi0, thi1 = (f"${8 + 2 * i}" for i in range(10))
+    return "\n".join([
+        "{", ".reg .b32 h, a, u, f, n, t, sel;",
+        "cvt.rz.f16x2.f32 h, $7, $6;",  # upper half: the odd column
+        "abs.f16x2 a, h;",
+        f"min.f16x2 a, a, {clamp};",
+        f"fma.rn.f16x2 u, {c4}, a, {c3};",
+        f"fma.rn.f16x2 u, u, a, {c2};",
+        f"fma.rn.f16x2 u, u, a, {c1};",
+        f"fma.rn.f16x2 u, u, a, {c0};",
+        "mov.b32 t, 0x64086408;",  # 1032 in both halves
+        "add.rn.f16x2 f, u, t;",  # lanes 0x6408 + k: k in bits 0-2, bit 3 set
+        "mov.b32 t, 0;",
+        "set.le.u32.f16x2 n, h, t;",  # 0xFFFF where s <= 0
+        "xor.b32 n, f, n;",  # bits 0-3: 8 + k, or 7 - k where s <= 0
+        "and.b32 $0, n, 0x000F000F;",
+        "mov.b32 $1, $0;",
+        "shr.b32 sel, f, 8;",  # selector: k of the low lane in bits 0-2, of the high lane in bits 8-10
+        "and.b32 sel, sel, 0x0700;",
+        "and.b32 t, f, 7;",
+        "or.b32 sel, sel, t;",
+        f"prmt.b32 $2, {tlo0}, {tlo1}, sel;",  # bytes 0, 2: low bytes of g_k; bytes 1, 3: g_0 = 0
+        "mov.b32 $3, $2;",
+        f"prmt.b32 $4, {thi0}, {thi1}, sel;",
+        "mov.b32 $5, $4;",
+        "}",
+    ])
+
+
+_INDEX_POLYNOMIAL_ASM = tl.constexpr(_index_polynomial_asm())
+_INDEX_POLYNOMIAL_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 6 + ["r"] * 22))
+
+
 @triton.jit
-def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, sqrt_d, rot_scale,
-                               D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr,
-                               PAIRED: tl.constexpr):
+def _index_polynomial_lanes(s, poly):
+    """Scaled coordinates [..., 2] (the pair: neighbouring register elements) -> (index lanes, g low bytes,
+    g high bytes), uint32 [..., 2] with both elements of a pair alike. Index lanes: the 4-bit index of each
+    coordinate in its 16-bit lane (even coordinate low); g: c^2 - c_H^2 of each index in 2^-13 units, its
+    low (high) byte in bits 0-7 (16-23). poly: ``rotation_tables.encoder_index_polynomial`` as held scalars.
+    The decisions are those of the thresholds (``codebooks.decision_boundaries``: the polynomial's step
+    points) but for an exact tie, which counts as reaching a threshold, and s = 0, which counts as
+    negative; the rz rounding keeps them exact as in ``_pair_threshold_masks``."""
+    return tl.inline_asm_elementwise(_INDEX_POLYNOMIAL_ASM, _INDEX_POLYNOMIAL_CONSTRAINTS,
+                                     [s, poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7],
+                                      poly[8], poly[9]], (tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=2)
+
+
+@triton.jit
+def _pack_order_words_from_polynomial(idx, glo, ghi, c0sq):
+    """The index lanes and c^2 bytes of ``_index_polynomial_lanes`` (one element per pair: [BN, 4, D/32, 2, 2]
+    each) -> what ``_pack_order_words`` returns for 4 bits. A thread's byte lanes are summed as words (at most
+    32 bytes of 255 per 16-bit lane: no carry between lanes)."""
+    D: tl.constexpr = idx.shape[2] * 32
+    lo = tl.sum(tl.sum(tl.sum(glo, axis=4), axis=3), axis=2)  # within a thread
+    hi = tl.sum(tl.sum(tl.sum(ghi, axis=4), axis=3), axis=2)
+    g = (lo & 0xFFFF) + (lo >> 16) + ((hi & 0xFFFF) + (hi >> 16)) * 256
+    sumsq = g.to(tl.float32) * (1.0 / 8192.0) + (D // 4) * c0sq.to(tl.float32, bitcast=True)  # 2^-13: see tables
+    return _pack_order_words_from_lanes(idx, 4), tl.sum(sumsq, axis=1)
+
+
+@triton.jit
+def _pack_order_words_polynomial(t, poly):
+    """``_pack_order_words`` for 4 bits with the search as the index polynomial (``index_polynomial``):
+    two coordinates per packed fp16 instruction, c^2 by byte lookups. GPU only (CUDA sm_80+)."""
+    idx, glo, ghi = _index_polynomial_lanes(_pair_tile(t), poly)
+    idx, _ = tl.split(idx)
+    glo, _ = tl.split(glo)
+    ghi, _ = tl.split(ghi)
+    return _pack_order_words_from_polynomial(idx, glo, ghi, poly[10])
+
+
+@triton.jit
+def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, poly, sqrt_d,
+                               rot_scale, D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+                               BN: tl.constexpr, PAIRED: tl.constexpr, POLY: tl.constexpr):
     """Rows [tile*BN, tile*BN + BN) -> packed indices and fp16 scales; rot: [D, D] +-1 operand in packing order
     (the transposed view of ``rotation_tables.packing_order_rotation``). PAIRED: the search as packed fp16
-    compares (``_pack_order_words_paired``), else as fp32 compares (``_pack_order_words``)."""
+    compares (``_pack_order_words_paired``), else as fp32 compares (``_pack_order_words``); POLY (4 bits): as
+    the index polynomial (``_pack_order_words_polynomial``)."""
     i = tl.arange(0, D)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < N
@@ -560,7 +645,9 @@ def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile
         t = tl.dot(x, rot)  # exact products, fp32 sums: t = sqrt(d) * R x
     ss = tl.sum(t * t, axis=1)  # d |x|^2
     row_mul = tl.where(ss > 0, sqrt_d * tl.rsqrt(tl.where(ss > 0, ss, 1.0)), 0.0)
-    if PAIRED:
+    if POLY:
+        word, sumsq = _pack_order_words_polynomial(t * row_mul[:, None], poly)
+    elif PAIRED:
         word, sumsq = _pack_order_words_paired(t * row_mul[:, None], bnd2, lev, B)
     else:
         word, sumsq = _pack_order_words(t * row_mul[:, None], bnd, lev, B)
@@ -576,13 +663,14 @@ def _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile
 
 @triton.jit
 def tq_mse_encode_packing_order_kernel(
-    X, stride_x, ROT, LEV, BND, BND2, OUT, stride_out, SCALE, N, rot_scale, sqrt_d,
+    X, stride_x, ROT, LEV, BND, BND2, POLY_TABLE, OUT, stride_out, SCALE, N, rot_scale, sqrt_d,
     D: tl.constexpr, B: tl.constexpr, NORM_CORRECTION: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, POLY: tl.constexpr,
 ):
     """Vectors [N, D] (fp16 / bf16, D a power of two, 32..256) -> packed indices [N, D*B/8] + fp16 scale [N],
     one segment of B bits, tiles of BN rows looped over by every program. ROT: [D, D] +-1 rows in packing
-    order, in X's type; BND2: ``rotation_tables.encoder_boundary_pairs`` (read when PAIRED, GPU only).
+    order, in X's type; BND2: ``rotation_tables.encoder_boundary_pairs`` (read when PAIRED, GPU only);
+    POLY_TABLE: ``rotation_tables.encoder_index_polynomial`` (read when POLY, 4 bits, GPU only).
     (Triton's interpreter cannot loop over a run-time range: a program per tile there.)"""
     i = tl.arange(0, D)
     rot = tl.load(ROT + i[None, :] * D + i[:, None])  # [D (in), D (out)]: transposed view
@@ -591,13 +679,17 @@ def tq_mse_encode_packing_order_kernel(
     if PAIRED:
         for m in tl.static_range((1 << (B - 1)) - 1):
             bnd2 = bnd2 + (tl.load(BND2 + m),)
+    poly = ()
+    if POLY:
+        for m in tl.static_range(11):
+            poly = poly + (tl.load(POLY_TABLE + m),)
     if INTERPRETING:
         _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tl.program_id(0), bnd, lev, bnd2,
-                                   sqrt_d, rot_scale, D, B, NORM_CORRECTION, BN, PAIRED)
+                                   poly, sqrt_d, rot_scale, D, B, NORM_CORRECTION, BN, PAIRED, POLY)
     else:
         for tile in tl.range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0), num_stages=STAGES):
-            _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, sqrt_d,
-                                       rot_scale, D, B, NORM_CORRECTION, BN, PAIRED)
+            _encode_tile_packing_order(X, stride_x, rot, OUT, stride_out, SCALE, N, tile, bnd, lev, bnd2, poly,
+                                       sqrt_d, rot_scale, D, B, NORM_CORRECTION, BN, PAIRED, POLY)
 
 
 @triton.jit

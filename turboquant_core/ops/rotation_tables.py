@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codebooks import codebook_tensors
+from ..index_polynomial import INDEX_POLYNOMIALS
 from ..quantizer import split_segments
 from ..rotation import is_power_of_two, rotation_matrix
 
@@ -47,6 +48,7 @@ class CodecTables:
     levels: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1)]: ``encoder_levels``
     boundary_pairs: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1) - 1]: ``encoder_boundary_pairs``
     index_bytes: int
+    index_polynomial: torch.Tensor | None = None  # int32 [11]: ``encoder_index_polynomial``, one-segment formats
 
     def kernel_constexprs(self) -> dict:
         s0 = self.segments[0]
@@ -91,6 +93,53 @@ def encoder_boundary_pairs(boundaries: torch.Tensor) -> torch.Tensor:
     return ((f16.view(torch.int16).to(torch.int32) & 0xFFFF) * 0x10001).contiguous()
 
 
+# The norm correction's c^2 per index, in the polynomial search: fixed point with this many fraction bits,
+# so that c^2 - c_0^2 (< 7.5 for every codebook here) fits 16 bits and two byte lookups give it.
+SQUARE_FRACTION_BITS = 13
+
+
+def _word(v: int) -> int:
+    """An unsigned 32-bit pattern as the int32 holding it."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _fp16_pair(v: float) -> int:
+    bits16 = int(torch.tensor(v, dtype=torch.float16).view(torch.int16).item()) & 0xFFFF
+    if float(torch.tensor(v, dtype=torch.float16)) != v:
+        raise ValueError(f"{v!r} is not an fp16 number")
+    return _word(bits16 * 0x10001)
+
+
+def encoder_index_polynomial(bits: int, dim: int, centroids: torch.Tensor) -> torch.Tensor | None:
+    """int32 [11] for the packing-order encoder's polynomial search (``codec_jit._index_polynomial_lanes``),
+    or None where ``index_polynomial.INDEX_POLYNOMIALS`` has no entry:
+
+    - words 0-5: c4, c3, c2, c1, c0 and the clamp, each an fp16 pair (the same number in both halves);
+    - words 6-9: c^2 of the magnitude index k (0..7) as g_k = round((c_{H+k}^2 - c_H^2) 2^13), a 16-bit
+      number, split into its low bytes (words 6, 7: k = 0-3, 4-7) and high bytes (words 8, 9), the byte
+      tables of two ``prmt`` lookups. g_0 = 0, which the lookups' unused bytes rely on;
+    - word 10: c_H^2 as fp32 bits.
+    The rows' sum of c^2 is then n c_H^2 + sum g / 2^13: each c^2 within 2^-14, the norm correction's scale
+    within 2^-14 relative of the exact one."""
+    poly = INDEX_POLYNOMIALS.get((bits, dim))
+    if poly is None:
+        return None
+    half = centroids.double().cpu()[1 << (bits - 1) :]
+    g = torch.round((half * half - half[0] * half[0]) * (1 << SQUARE_FRACTION_BITS)).to(torch.int64).tolist()
+    if g[0] != 0 or max(g) >= 1 << 16:
+        raise ValueError(f"c^2 of the {bits}-bit codebook does not fit the 16-bit lookup")
+
+    def byte_word(vals: list[int]) -> int:
+        return _word(sum((v & 0xFF) << (8 * i) for i, v in enumerate(vals)))
+
+    lo = [v & 0xFF for v in g]
+    hi = [v >> 8 for v in g]
+    c0sq = int(torch.tensor(float(half[0] * half[0]), dtype=torch.float32).view(torch.int32).item())
+    words = [_fp16_pair(v) for v in poly.coefficients()]
+    words += [byte_word(lo[:4]), byte_word(lo[4:]), byte_word(hi[:4]), byte_word(hi[4:]), c0sq]
+    return torch.tensor(words, dtype=torch.int32, device=centroids.device)
+
+
 def sign_bit_words(signs: torch.Tensor) -> torch.Tensor:
     """A +-1 diagonal [d] (d a multiple of 32) -> int32 [d/32]: bit c % 32 of word c // 32 is set where
     entry c is -1: the columns whose sign the in-register transform flips before its rounds."""
@@ -127,7 +176,8 @@ def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
     sign_words = sign_bit_words(r[0]).to(device) if exact else torch.zeros(0, dtype=torch.int32, device=device)
     return CodecTables(dim, dim_pad, tuple(geoms), hi, lo.to(device).contiguous(), hi.to(torch.bfloat16),
                        rot_scale, exact, sign_words, tuple(cents), tuple(bnds), tuple(encoder_levels(c) for c in cents),
-                       tuple(encoder_boundary_pairs(b) for b in bnds), byte0)
+                       tuple(encoder_boundary_pairs(b) for b in bnds), byte0,
+                       encoder_index_polynomial(segs[0][1], dim, cents[0]) if len(segs) == 1 else None)
 
 
 @functools.lru_cache(maxsize=256)
