@@ -137,7 +137,8 @@ def _encode_packing_order(x2, t: CodecTables, bits, seed, out, scale, norm_corre
     tq_mse_encode_packing_order_kernel[(programs,)](
         x2, x2.stride(0), rot, lv0, b0, t.boundary_pairs[0], t.index_polynomial if poly else lv0, out,
         out.stride(0), scale, n, t.rot_scale, math.sqrt(t.dim), D=t.dim, B=b, NORM_CORRECTION=norm_correction,
-        STAGES=PACKING_ORDER_STAGES, PAIRED=packed_fp16 and b in PACKING_ORDER_PAIRED_BITS, POLY=poly, **cfg,
+        STAGES=PACKING_ORDER_STAGES, PAIRED=packed_fp16 and b in PACKING_ORDER_PAIRED_BITS and not poly,
+        POLY=poly, **cfg,
     )
 
 
