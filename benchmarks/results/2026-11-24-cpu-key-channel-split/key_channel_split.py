@@ -75,6 +75,20 @@ def Q(x, bits, seed):
     return (c * sc) @ R
 
 
+def split(kc, pe, bits_top, bits_rest):
+    """Per KV head of kc [Hkv, T, d]: the half of the RoPE pairs with the most energy pe [Hkv, d/2] at
+    bits_top, the rest at bits_rest, each half its own rotation and norm."""
+    half = kc.shape[-1] // 2
+    r = torch.empty_like(kc)
+    for h in range(kc.shape[0]):
+        top = torch.zeros(half, dtype=torch.bool)
+        top[pe[h].argsort(descending=True)[: half // 2]] = True
+        ch = torch.cat([top, top])
+        r[h][:, ch] = Q(kc[h][:, ch], bits_top, 2)
+        r[h][:, ~ch] = Q(kc[h][:, ~ch], bits_rest, 3)
+    return r
+
+
 P = 16
 res = {k: [] for k in ["u3", "u4", "split_prefix", "split_oracle", "split_w3", "u3_nocenter"]}
 half = d // 2
@@ -95,26 +109,10 @@ for i in range(cfg.num_hidden_layers):
     recon["u3"] = Q(kc, 3, 1) + shift
     recon["u4"] = Q(kc, 4, 1) + shift
     recon["u3_nocenter"] = Q(k, 3, 1)
-    for name, pe in [("split_prefix", pe_pref), ("split_oracle", pe_all)]:
-        r = torch.empty_like(k)
-        for h in range(nkv):
-            top = pe[h].argsort(descending=True)[: half // 2]
-            A = torch.zeros(half, dtype=torch.bool)
-            A[top] = True
-            chA = torch.cat([A, A])
-            r[h][:, chA] = Q(kc[h][:, chA], 4, 2)
-            r[h][:, ~chA] = Q(kc[h][:, ~chA], 2, 3)
-        recon[name] = r + shift
-    # 3/3 split into two halves of 32 with own norms (control for the extra norm)
-    r = torch.empty_like(k)
-    for h in range(nkv):
-        top = pe_pref[h].argsort(descending=True)[: half // 2]
-        A = torch.zeros(half, dtype=torch.bool)
-        A[top] = True
-        chA = torch.cat([A, A])
-        r[h][:, chA] = Q(kc[h][:, chA], 3, 2)
-        r[h][:, ~chA] = Q(kc[h][:, ~chA], 3, 3)
-    recon["split_w3"] = r + shift
+
+    recon["split_prefix"] = split(kc, pe_pref, 4, 2) + shift
+    recon["split_oracle"] = split(kc, pe_all, 4, 2) + shift
+    recon["split_w3"] = split(kc, pe_pref, 3, 3) + shift  # two halves of 32 with own norms: the cost of the extra norm
     g = nq // nkv
     mask = torch.ones(T, T).tril().bool()
     mask[:, :P] = False  # keys past the first page
