@@ -58,6 +58,7 @@ class Variant:
     v_smooth: str | None = None  # None | "weights"
     v_center: str | None = None  # None | "prefix"
     smooth_power: float = 0.5  # s = (rms_q / rms_k) ** smooth_power (0.5 is the isotropic optimum)
+    page0_bits: tuple[float, float] | None = None  # (K, V) bits of the first page's tokens, else the preset's
 
     def extra_bytes(self, d: int) -> str:
         """Side data beyond the preset's fixed bytes per token (fp16 numbers)."""
@@ -77,6 +78,8 @@ class Variant:
             parts.append("0 (t folded into W_v/W_o)")
         if self.v_center:
             parts.append(f"{2 * d} B/seq/layer/kv-head (mu_v)")
+        if self.page0_bits:
+            parts.append(f"0 (first page K{self.page0_bits[0]:g} V{self.page0_bits[1]:g})")
         return "; ".join(parts) or "0"
 
 
@@ -111,6 +114,12 @@ def variant_table(preset_bits: dict[str, float]) -> dict[str, Variant]:
                 kb, sink=1, k_center="prerope-prefix", v_smooth="weights"),
             "sink 1 + K center pre-RoPE (prefix) + V center (prefix)": Variant(
                 kb, sink=1, k_center="prerope-prefix", v_center="prefix"),
+            "K center pre-RoPE, page-constant (page 0 of 16 plain) + sink 1 (K only)": Variant(
+                kb, k_center="prerope-page0-paged", page=16, sink=1, sink_keys_only=True),
+            "K center pre-RoPE, page-constant (page 0 of 16 plain, K4 V3)": Variant(
+                kb, k_center="prerope-page0-paged", page=16, page0_bits=(4, 3)),
+            "K center pre-RoPE (page 0 of 16 plain, K4 V3)": Variant(
+                kb, k_center="prerope-page0", page=16, page0_bits=(4, 3)),
             "V smooth (weights)": Variant(kb, v_smooth="weights"),
             "V center (prefix)": Variant(kb, v_center="prefix"),
         }
@@ -203,6 +212,8 @@ class DequantizedLayer(DynamicLayer):
 def make_fns(v: Variant, d: int, wstats: dict, win: dict, quantizers: dict):
     """(key_fn, value_fn) for one layer. win: this window's q pair-rms [Hkv, d/2] and full K, V [Hkv, T, d]."""
     kq, vq = quantizers[("k", v.k_bits)], quantizers[("v", v.v_bits)]
+    kq0, vq0 = (kq, vq) if v.page0_bits is None else (quantizers[("k", v.page0_bits[0])],
+                                                       quantizers[("v", v.page0_bits[1])])
     prefix = slice(1, v.prefix + 1)  # token 0 (often an attention sink) is left out of the estimates
     k_all, v_all = win["k"], win["v"]
 
@@ -220,7 +231,7 @@ def make_fns(v: Variant, d: int, wstats: dict, win: dict, quantizers: dict):
         # The serving layout: the first page (tokens < page) is encoded plain; mu_pre is the mean of its
         # decoded keys 1..page-1 rotated back by RoPE, so it is a function of the first page's bytes alone.
         cos, sin = win["cos"], win["sin"]
-        k0 = kq.dequantize(kq.quantize(k_all[:, 1:v.page].float()))
+        k0 = kq0.dequantize(kq0.quantize(k_all[:, 1:v.page].float()))
         inv = apply_rope(k0, cos[1:v.page], -sin[1:v.page])  # R_j^-1 = R_j with sin negated
         mu_pre = inv.mean(1, keepdim=True)
         if v.k_center == "prerope-page0":
@@ -264,6 +275,8 @@ def make_fns(v: Variant, d: int, wstats: dict, win: dict, quantizers: dict):
         xf = x.float()
         y = (xf - mu) * s
         out = kq.dequantize(kq.quantize(y)) / s + mu
+        if v.page0_bits is not None:
+            out[..., : v.page, :] = kq0.dequantize(kq0.quantize(y[..., : v.page, :])) / s + mu[..., : v.page, :]
         if v.sink:
             out[..., : v.sink, :] = xf[..., : v.sink, :]
         return out.to(x.dtype)
@@ -272,6 +285,8 @@ def make_fns(v: Variant, d: int, wstats: dict, win: dict, quantizers: dict):
         xf = x.float()
         y = (xf - mu_v) * t
         out = vq.dequantize(vq.quantize(y)) / t + mu_v
+        if v.page0_bits is not None:
+            out[..., : v.page, :] = vq0.dequantize(vq0.quantize(y[..., : v.page, :])) / t + mu_v
         if v.sink and not v.sink_keys_only:
             out[..., : v.sink, :] = xf[..., : v.sink, :]
         return out.to(x.dtype)
@@ -324,8 +339,9 @@ def main() -> None:
                  if k.partition(" | ")[2] in exact or any(s in k for s in keys if not s.startswith("="))}
     quantizers = {}
     for v in table.values():
-        quantizers.setdefault(("k", v.k_bits), MSEQuantizer(d, v.k_bits, True, KEY_SEED))
-        quantizers.setdefault(("v", v.v_bits), MSEQuantizer(d, v.v_bits, True, VALUE_SEED))
+        for kb, vb in [(v.k_bits, v.v_bits)] + ([v.page0_bits] if v.page0_bits else []):
+            quantizers.setdefault(("k", kb), MSEQuantizer(d, kb, True, KEY_SEED))
+            quantizers.setdefault(("v", vb), MSEQuantizer(d, vb, True, VALUE_SEED))
     layers = layers_of(model)
     wstats = [weight_stats(layer.self_attn, layer.input_layernorm, d, n_q, n_kv, gemma_norm) for layer in layers]
 
