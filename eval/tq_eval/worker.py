@@ -80,6 +80,24 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def require_document_bos(tok, architecture: str) -> None:
+    """Refuse a Gemma model whose tokenizer puts no <bos> in front of a text.
+
+    Gemma reads a sequence without <bos> as noise (WikiText-2 perplexity in the thousands instead of
+    about 17), so every task would measure a broken model. transformers' GGUF loader produces such a
+    tokenizer for Gemma 3 (it drops the GGUF's ``add_bos_token``); ``tq convert-gguf`` keeps it."""
+    if not architecture.lower().startswith("gemma"):
+        return
+    prefix = textdata.special_prefix(
+        lambda s: tok(s, add_special_tokens=True).input_ids, lambda s: tok(s, add_special_tokens=False).input_ids
+    )
+    if getattr(tok, "bos_token_id", None) not in prefix:
+        raise ValueError(
+            f"the tokenizer of this {architecture} model adds no <bos> to a text (add_bos_token is off), and "
+            "Gemma models need one in front of every sequence; convert the GGUF with `tq convert-gguf`, or set "
+            "add_bos_token to true in the model folder's tokenizer_config.json")
+
+
 def run_ppl(llm, tok, tasks: TaskSettings, engine: EngineSettings, out_dir: Path) -> dict:
     from safetensors.numpy import save_file
     from vllm import SamplingParams
@@ -212,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
         rec.data["engine"]["vllm_version"] = vllm.__version__
         rec.data["engine"]["vllm_path"] = str(Path(vllm.__file__).parent)
-        llm = build_engine(cfg["model"]["path"], cfg["dtype"], engine, tasks.topk)
         tok = load_tokenizer(cfg["model"]["path"])
+        require_document_bos(tok, cfg["model"]["architecture"])
+        llm = build_engine(cfg["model"]["path"], cfg["dtype"], engine, tasks.topk)
     except Exception as e:  # noqa: BLE001 -- the suite records a config that cannot start
         traceback.print_exc()
         rec.data.update(status="error", error=_error_text(e))

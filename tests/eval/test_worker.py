@@ -30,6 +30,17 @@ def test_niah_renderer_plain_and_chat(word_tokenizer_dir):
     assert s.prompt.startswith("<s> user: ") and s.num_tokens <= 300
 
 
+def test_gemma_without_bos_is_refused(word_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_tokenizer_dir)
+    worker.require_document_bos(tok, "Gemma3ForCausalLM")  # <s> in front: accepted
+    tok.backend_tokenizer.post_processor = None  # as transformers loads a Gemma 3 GGUF
+    with pytest.raises(ValueError, match="adds no <bos>.*tq convert-gguf"):
+        worker.require_document_bos(tok, "Gemma3ForCausalLM")
+    worker.require_document_bos(tok, "LlamaForCausalLM")  # other models: the tokenizer decides
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 @pytest.mark.skipif(not os.environ.get("TQ_EVAL_MODEL"), reason="set TQ_EVAL_MODEL to a local model folder")
