@@ -83,6 +83,10 @@ def niah_by_length(rows: list[dict], model_name: str, path: Path) -> Path | None
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    # One colour per dtype (stock and ours of a dtype differ by line style only); tab20 so that a full
+    # suite's 15 lines do not repeat tab10's colours.
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    palette = plt.get_cmap("tab20")
     for r in rows:
         items = sorted((int(k), v["acc"]) for k, v in r["niah"]["by_length"].items() if v["acc"] is not None)
         if not items:
@@ -90,7 +94,8 @@ def niah_by_length(rows: list[dict], model_name: str, path: Path) -> Path | None
         xs, ys = zip(*items)
         style = "--" if r["install"] == "stock" else "-"
         lw = 2.5 if r["dtype"] == "auto" else 1.2
-        ax.plot(xs, ys, style, marker="o", lw=lw, ms=3, label=_label(r))
+        ax.plot(xs, ys, style, marker="o", lw=lw, ms=3, color=palette(dtypes.index(r["dtype"]) % 20),
+                label=_label(r))
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("context length (tokens)")
