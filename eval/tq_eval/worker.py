@@ -80,6 +80,13 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def document_prefix(tok) -> list[int]:
+    """The special tokens this tokenizer puts in front of a text (Gemma: [<bos>]; SmolLM2: [])."""
+    return textdata.special_prefix(
+        lambda s: tok(s, add_special_tokens=True).input_ids, lambda s: tok(s, add_special_tokens=False).input_ids
+    )
+
+
 def require_document_bos(tok, architecture: str) -> None:
     """Refuse a Gemma model whose tokenizer puts no <bos> in front of a text.
 
@@ -88,9 +95,7 @@ def require_document_bos(tok, architecture: str) -> None:
     tokenizer for Gemma 3 (it drops the GGUF's ``add_bos_token``); ``tq convert-gguf`` keeps it."""
     if not architecture.lower().startswith("gemma"):
         return
-    prefix = textdata.special_prefix(
-        lambda s: tok(s, add_special_tokens=True).input_ids, lambda s: tok(s, add_special_tokens=False).input_ids
-    )
+    prefix = document_prefix(tok)
     if getattr(tok, "bos_token_id", None) not in prefix:
         raise ValueError(
             f"the tokenizer of this {architecture} model adds no <bos> to a text (add_bos_token is off), and "
@@ -107,9 +112,7 @@ def run_ppl(llm, tok, tasks: TaskSettings, engine: EngineSettings, out_dir: Path
         raise ValueError(f"ppl window of {tasks.ppl_window_tokens} tokens does not fit max_model_len {max_len}")
     text = textdata.load_text(tasks.text_path)
     ids = tok(text, add_special_tokens=False).input_ids
-    prefix = textdata.special_prefix(
-        lambda s: tok(s, add_special_tokens=True).input_ids, lambda s: tok(s, add_special_tokens=False).input_ids
-    )
+    prefix = document_prefix(tok)
     windows = textdata.token_windows(ids, tasks.ppl_window_tokens, tasks.ppl_windows, prefix)
     positions = textdata.scored_positions(tasks.ppl_window_tokens, engine.prefill_chunk)
     params = SamplingParams(
