@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prefill tokens per request per step (vLLM long_prefill_token_threshold)")
+                   help="prefill tokens per request per step (vLLM long_prefill_token_threshold); "
+                   "0: chunked prefill off, each prompt prefilled whole in one step (NIAH/GSM8K only: "
+                   "perplexity then never reads the KV cache)")
     g.add_argument("--no-enforce-eager", action="store_true", help="allow CUDA graphs / torch.compile (slower start)")
     g = p.add_argument_group("scheduling and output")
     g.add_argument("--parallel", type=int, default=1, help="configs running at once on the GPU")
@@ -153,12 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("GSM8K skipped: no --gsm8k given")
     if tasks.gsm8k_data == "hub" and not args.online:
         raise SystemExit("--gsm8k hub needs --online (the config processes run with HF_HUB_OFFLINE=1 otherwise)")
-    engine = C.EngineSettings(
-        enforce_eager=not args.no_enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
-    )
-    if engine.prefill_chunk <= 128:
+    try:
+        engine = C.EngineSettings(
+            enforce_eager=not args.no_enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if engine.prefill_chunk == 0 and "ppl" in tasks.tasks and tasks.text_path:
+        raise SystemExit("--prefill-chunk 0 prefills each window whole, so no scored position would read the KV "
+                         "cache and every dtype would score as bf16; give a chunk (e.g. 256) for perplexity, or "
+                         "--tasks niah,gsm8k")
+    if 0 < engine.prefill_chunk <= 128:
         notes.append("prefill chunk <= 128: stock TurboQuant routes such continuation chunks through its decode "
                      "kernel, so stock and ours are not compared on the same attention path")
     paths = {"stock": args.python_path_stock, "patched": args.python_path_patched}
@@ -166,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("stock and patched use the same Python path: both rows run the same vLLM")
     names = args.model_name or [None] * len(args.model)
     models = [C.ModelInfo.from_path(m, n) for m, n in zip(args.model, names)]
+    if engine.prefill_chunk == 0:
+        for m in models:
+            limit = engine.max_model_len or m.max_position_embeddings or 0
+            if limit > engine.max_num_batched_tokens:
+                raise SystemExit(
+                    f"--prefill-chunk 0 prefills a prompt in one step, so --max-num-batched-tokens "
+                    f"({engine.max_num_batched_tokens}) must cover the context length ({limit}, {m.name}); "
+                    f"raise it or cap --max-model-len")
     plan, skipped = C.plan_configs(models, dtypes, installs, baseline_installs)
     run_name = args.run_name or datetime.now(timezone.utc).strftime("%Y-%m-%d")
     run_dirs = {m.name: Path(args.out) / m.name / run_name for m in models}

@@ -128,6 +128,11 @@ def safe_name(text: str) -> str:
     return s or "model"
 
 
+def prefill_label(prefill_chunk: int) -> str:
+    """How prompts are prefilled, for reports."""
+    return f"in chunks of {prefill_chunk} tokens" if prefill_chunk else "whole (chunked prefill off)"
+
+
 @dataclass
 class EngineSettings:
     """vLLM engine arguments shared by every config of a run."""
@@ -137,8 +142,16 @@ class EngineSettings:
     kv_cache_gib: float = 6.0  # fixed KV pool (vLLM kv_cache_memory_bytes); 0: size by utilization
     max_model_len: int | None = None  # None: the model's limit
     max_num_batched_tokens: int = 8192
-    prefill_chunk: int = 256  # vLLM long_prefill_token_threshold: tokens per request per step
+    # Prefill tokens per request per step (vLLM long_prefill_token_threshold). 0: chunked prefill off,
+    # every prompt is prefilled whole in one step (vLLM's single-request path; no position of a prompt
+    # reads the KV cache then, so perplexity needs a chunk).
+    prefill_chunk: int = 256
     seed: int = 1234
+
+    def __post_init__(self):
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
+
 
     def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int) -> dict:
         kw = dict(
@@ -150,6 +163,7 @@ class EngineSettings:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.prefill_chunk,
+            enable_chunked_prefill=self.prefill_chunk > 0,
             max_logprobs=topk,
             enable_prefix_caching=False,
             enable_flashinfer_autotune=False,

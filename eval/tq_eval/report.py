@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tq_eval import capacity
-from tq_eval.configs import ACCEPTANCE_PRESETS, BASELINE_DTYPES, INSTALLS, REFERENCE_DTYPE
+from tq_eval.configs import ACCEPTANCE_PRESETS, BASELINE_DTYPES, INSTALLS, REFERENCE_DTYPE, prefill_label
 from tq_eval.logprob_metrics import PromptLogprobs, compare, perplexity
 from tq_eval.niah import summarize as summarize_niah
 
@@ -308,10 +308,11 @@ def render_markdown(report: dict) -> str:
         lines += [
             (f"- Perplexity / KL / top-1: `{Path(str(tk.get('text_path'))).name}`, {tk.get('ppl_windows')} windows of "
              f"{tk.get('ppl_window_tokens')} tokens, top-{tk.get('topk')} prompt logprobs, prefill chunk "
-             f"{eng.get('prefill_chunk')} tokens." if tk.get("text_path") else
-             "- Perplexity / KL / top-1: not run (no text given)."),
+             f"{eng.get('prefill_chunk')} tokens." if tk.get("text_path") and "ppl" in tk.get("tasks", ["ppl"]) else
+             "- Perplexity / KL / top-1: not run."),
             f"- NIAH: depths {', '.join(f'{d:g}' for d in tk.get('niah_depths') or [])} %, "
-            f"{tk.get('niah_samples')} prompts per (length, depth), exact retrieval.",
+            f"{tk.get('niah_samples')} prompts per (length, depth), exact retrieval, prompts prefilled "
+            f"{prefill_label(eng.get('prefill_chunk', 256))}.",
             (f"- GSM8K: lm-eval `gsm8k`, {tk.get('gsm8k_fewshot')}-shot, limit {tk.get('gsm8k_limit')}, data "
              f"`{tk.get('gsm8k_data')}`." if tk.get("gsm8k_data") else "- GSM8K: not run (no data given)."),
             f"- Engine: enforce_eager={eng.get('enforce_eager')}, KV pool {eng.get('kv_cache_gib')} GiB, "

@@ -71,7 +71,17 @@ def test_engine_kwargs():
     assert kw["kv_cache_memory_bytes"] == int(1.5 * 2**30)
     assert kw["long_prefill_token_threshold"] == 300 and kw["enable_prefix_caching"] is False
     assert kw["enforce_eager"] is True and kw["max_model_len"] == 4096
+    assert kw["enable_chunked_prefill"] is True
     assert "kv_cache_memory_bytes" not in C.EngineSettings(kv_cache_gib=0).engine_kwargs("/m", "auto", 5)
+
+
+def test_whole_prompt_prefill():
+    kw = C.EngineSettings(prefill_chunk=0).engine_kwargs("/m", "turboquant_k3v4_nc", topk=5)
+    assert kw["enable_chunked_prefill"] is False and kw["long_prefill_token_threshold"] == 0
+    assert C.prefill_label(0) == "whole (chunked prefill off)"
+    assert C.prefill_label(256) == "in chunks of 256 tokens"
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+        C.EngineSettings(prefill_chunk=-1)
 
 
 def test_task_settings_validation():

@@ -160,6 +160,12 @@ def test_report_only_rebuilds_from_raw_and_from_json(raw):
                                                   "notes": ["a note from the run"]}))
     assert run_quality.main(["--report-only", str(run_dir), "--no-plots"]) == 0
     assert "a note from the run" in (run_dir / "report.md").read_text()
+    settings = {"engine": {"prefill_chunk": 0}, "tasks": {"tasks": ["niah"], "text_path": "w.raw",
+                                                          "niah_depths": [0, 50], "niah_samples": 3}}
+    (run_dir / "run.json").write_text(json.dumps({"model": MODEL, "settings": settings, "not_run": []}))
+    assert run_quality.main(["--report-only", str(run_dir), "--no-plots"]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "prompts prefilled whole (chunked prefill off)" in md and "Perplexity / KL / top-1: not run." in md
     # Without raw/ (e.g. a committed report): redraw from report.json alone.
     import shutil
 

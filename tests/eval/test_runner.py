@@ -94,3 +94,20 @@ def test_dry_run_and_bad_arguments(model_dir, capsys):
         run_quality.main(["--model", str(model_dir), "--dtypes", "int3", "--dry-run"])
     with pytest.raises(SystemExit, match="needs --online"):
         run_quality.main(["--model", str(model_dir), "--gsm8k", "hub", "--dry-run"])
+
+
+def test_whole_prompt_prefill_arguments(model_dir, tmp_path, capsys):
+    import run_quality
+
+    text = tmp_path / "t.txt"
+    text.write_text("words " * 100)
+    with pytest.raises(SystemExit, match="every dtype would score as bf16"):
+        run_quality.main(["--model", str(model_dir), "--text", str(text), "--prefill-chunk", "0", "--dry-run"])
+    with pytest.raises(SystemExit, match="prefill_chunk must be >= 0"):
+        run_quality.main(["--model", str(model_dir), "--tasks", "niah", "--prefill-chunk", "-5", "--dry-run"])
+    with pytest.raises(SystemExit, match="must cover the context length"):
+        run_quality.main(["--model", str(model_dir), "--tasks", "niah", "--prefill-chunk", "0",
+                          "--max-num-batched-tokens", "64", "--dry-run"])
+    assert run_quality.main(["--model", str(model_dir), "--text", str(text), "--tasks", "niah,gsm8k",
+                             "--prefill-chunk", "0", "--dry-run"]) == 0
+    assert "configs" in capsys.readouterr().out
