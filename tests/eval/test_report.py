@@ -200,3 +200,11 @@ def test_a_failed_niah_length_is_reported(tmp_path):
     assert row["task_errors"] == {"niah 32768": "RuntimeError: CUDA error: an illegal memory access"}
     md = R.render_markdown(rep)
     assert "partial [1]" in md and "niah 32768: RuntimeError: CUDA error" in md
+
+
+def test_perplexity_notes_only_with_perplexity(tmp_path, raw):
+    niah_only = tmp_path / "niah-only" / "raw"
+    _write(niah_only, "patched", "auto", niah={1024: [1, 1]})
+    _write(niah_only, "patched", "turboquant_k3v4_nc", niah={1024: [1, 0]})
+    assert R.summarize(MODEL, niah_only)["notes"] == []
+    assert R.POSITIONS_NOTE in R.summarize(MODEL, raw)["notes"]
