@@ -152,7 +152,6 @@ class EngineSettings:
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
 
-
     def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int) -> dict:
         kw = dict(
             model=model_path,
