@@ -119,7 +119,12 @@ def run_config(
     result["exit_code"] = rc
     result["wall_s"] = wall
     result["install_path"] = install_path
-    result["engine"]["kv_cache_tokens"] = kv_cache_tokens_from_log(out / LOG_FILE)
+    engine = result.setdefault("engine", {})
+    if engine.get("kv_cache_tokens"):  # the worker read it from the engine core
+        engine["kv_cache_tokens_from"] = "engine"
+    else:
+        engine["kv_cache_tokens"] = kv_cache_tokens_from_log(out / LOG_FILE)
+        engine["kv_cache_tokens_from"] = "log" if engine["kv_cache_tokens"] else None
     if result["status"] != "ok":
         result["log_tail"] = log_tail(out / LOG_FILE)
     result_path.write_text(json.dumps(result, indent=1))

@@ -212,6 +212,15 @@ def _engine_facts(llm) -> dict:
         facts["cache_dtype"] = getattr(cache, "cache_dtype", None)
     except AttributeError as e:  # informational only; the tasks do not need it
         facts["facts_error"] = _error_text(e)
+    try:
+        # vLLM's "GPU KV cache size" figure, from the engine core itself (in this process: the worker runs
+        # with VLLM_ENABLE_V1_MULTIPROCESSING=0); group-aware, so right for sliding-window models too.
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+        core = llm.llm_engine.engine_core.engine_core
+        facts["kv_cache_tokens"], _ = get_kv_cache_capacity(llm.llm_engine.vllm_config, core.scheduler.kv_cache_config)
+    except (AttributeError, ImportError, TypeError):
+        pass  # the runner falls back to the engine's log line
     return facts
 
 

@@ -41,6 +41,7 @@ def test_config_that_cannot_start_is_recorded(model_dir, tmp_path):
     assert res["status"] == "error"
     assert "No module named 'vllm'" in res["error"]
     assert res["exit_code"] == 1 and res["log_tail"]
+    assert res["engine"]["kv_cache_tokens"] is None and res["engine"]["kv_cache_tokens_from"] is None
     on_disk = json.loads((tmp_path / "raw" / cfg.id / "result.json").read_text())
     assert on_disk["error"] == res["error"]
 

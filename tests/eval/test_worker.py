@@ -44,7 +44,7 @@ def test_gemma_without_bos_is_refused(word_tokenizer_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 @pytest.mark.skipif(not os.environ.get("TQ_EVAL_MODEL"), reason="set TQ_EVAL_MODEL to a local model folder")
-@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "turboquant_k3v4_nc"])
 def test_worker_on_a_real_engine(tmp_path, dtype):
     text = tmp_path / "text.txt"
     pool = niah._SentencePool(niah._rng("gpu-test"))
@@ -61,5 +61,9 @@ def test_worker_on_a_real_engine(tmp_path, dtype):
     assert ppl["tokens"] == 4 * (512 - 257) and math.isfinite(ppl["ppl"]) and ppl["ppl"] > 1
     assert len(res["tasks"]["niah"]["records"]) == 2
     assert res["engine"]["kv_cache_tokens"] and res["engine"]["max_model_len"] >= 1024
+    # Read from the engine core, and the same figure vLLM logs.
+    assert res["engine"]["kv_cache_tokens_from"] == "engine"
+    logged = runner.kv_cache_tokens_from_log(tmp_path / "raw" / cfg.id / runner.LOG_FILE)
+    assert logged in (None, res["engine"]["kv_cache_tokens"])
     if tasks.gsm8k_data:
         assert res["tasks"]["gsm8k"]["n"] == 4
