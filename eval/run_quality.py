@@ -163,10 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if engine.prefill_chunk == 0 and "ppl" in tasks.tasks and tasks.text_path:
-        raise SystemExit("--prefill-chunk 0 prefills each window whole, so no scored position would read the KV "
-                         "cache and every dtype would score as bf16; give a chunk (e.g. 256) for perplexity, or "
-                         "--tasks niah,gsm8k")
     if 0 < engine.prefill_chunk <= 128:
         notes.append("prefill chunk <= 128: stock TurboQuant routes such continuation chunks through its decode "
                      "kernel, so stock and ours are not compared on the same attention path")
@@ -176,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.model_name or [None] * len(args.model)
     models = [C.ModelInfo.from_path(m, n) for m, n in zip(args.model, names)]
     if engine.prefill_chunk == 0:
+        if "ppl" in tasks.tasks and tasks.text_path:
+            raise SystemExit("--prefill-chunk 0 prefills each window whole, so no scored position would read the KV "
+                             "cache and every dtype would score as bf16; give a chunk (e.g. 256) for perplexity, or "
+                             "--tasks niah,gsm8k")
         for m in models:
             limit = engine.max_model_len or m.max_position_embeddings or 0
             if limit > engine.max_num_batched_tokens:
