@@ -9,7 +9,8 @@ the two factors changed, so the 2 x 2 table is complete:
 
 - ``token centre``: (a) only. Needs no bytes beyond the format's (mu still comes from the first page).
 - ``exact mu``: (b) only. Needs d numbers per sequence, layer and KV head outside the pages.
-- ``both``: (a) and (b) (the same code as the key-basis study's exact-centre control, through the cache).
+- ``both``: (a) and (b): the key-basis study's exact-centre control, here through the cache with the
+  served quantizer's own rotation (that control drew another random rotation).
 
 Regime: the prompt is prefilled whole in full precision, then greedy decode steps read everything through
 the cache (vLLM with ``--prefill-chunk 0``). Prompts: the suite's generator, seed 0, 20 per depth.
