@@ -12,11 +12,11 @@ best possible 3-bit code of this design could do. Rows at the Lloyd-Max distorti
 error stands in for the real codes' error (same distortion, same needles found).
 
 Regime as vLLM with ``--prefill-chunk 0``: each prompt is prefilled once in full precision; its K/V are then
-stored through each variant's ``TurboQuantCache`` (served centring, norm correction and values), and greedy decode
-steps read everything, their own K/V included, through that cache. Prompts: the suite's generator, seed 0,
-``--samples`` per depth and length. Variants (``--variants``, comma-separated):
+stored in one ``TurboQuantCache`` (served centring and first page), batch row r as variant r stores them, and
+greedy decode steps of all rows at once read everything, their own K/V included, through that cache.
+Prompts: the suite's generator, seed 0, ``--samples`` per depth and length. Variants (``--variants``, comma-separated):
 
-- ``exact``: no compression (the model's own cache).
+- ``exact``: no compression (its row stores the keys and values as given).
 - ``served:PRESET``: the served key and value codes of PRESET (e.g. ``served:turboquant_k3v4_nc``).
 - ``channel:PRESET:D``: PRESET with its key code replaced by the Gaussian error at distortion D per coordinate.
 """
