@@ -68,17 +68,17 @@ class Variant:
         if kind == "exact" and not rest:
             return cls(spec)
         if kind == "served" and rest:
-            if get_format(rest).key.kind != "mse":  # also a clear error for an unknown preset
-                raise SystemExit(f"{rest}: this study covers presets with MSE keys")
-            return cls(spec, rest)
-        if kind == "channel" and rest.count(":") == 1:
+            preset, dist = rest, None
+        elif kind == "channel" and rest.count(":") == 1:
             preset, d = rest.split(":")
-            if get_format(preset).key.kind != "mse":
-                raise SystemExit(f"{preset}: this study covers presets with MSE keys")
-            if not 0.0 < float(d) < 1.0:
+            dist = float(d)
+            if not 0.0 < dist < 1.0:
                 raise SystemExit(f"distortion must be in (0, 1), got {d}")
-            return cls(spec, preset, float(d))
-        raise SystemExit(f"unknown variant {spec!r}: exact | served:PRESET | channel:PRESET:D")
+        else:
+            raise SystemExit(f"unknown variant {spec!r}: exact | served:PRESET | channel:PRESET:D")
+        if get_format(preset).key.kind != "mse":  # also a clear error for an unknown preset
+            raise SystemExit(f"{preset}: this study covers presets with MSE keys")
+        return cls(spec, preset, dist)
 
 
 class BatchedVariantCodec:

@@ -28,8 +28,14 @@ def mcnemar_p(lost: int, gained: int) -> float:
 
 def main() -> None:
     records, seen, meta = [], set(), []
+    distortion: dict[str, list[float]] = {}  # label -> [sum of per-file means weighted by prompts, prompts]
     for f in sorted((HERE / "raw").glob("niah-*.json")):
         d = json.loads(f.read_text())
+        for label, row in d["summary"].items():
+            if row["key_distortion"] is not None:
+                acc = distortion.setdefault(label, [0.0, 0])
+                acc[0] += row["key_distortion"] * d["prompts"]
+                acc[1] += d["prompts"]
         meta.append({"file": f"raw/{f.name}", "prompts": d["prompts"], "seconds": d["seconds"],
                      "device": d["device"], "torch": d["torch"], "command": d["command"]})
         for r in d["records"]:
@@ -38,16 +44,11 @@ def main() -> None:
                 seen.add(key)
                 records.append(r)
     labels = list(records[0]["correct"])
-    distortion = {}
-    for f in sorted((HERE / "raw").glob("niah-*.json")):
-        for label, row in json.loads(f.read_text())["summary"].items():
-            if row["key_distortion"] is not None:
-                distortion.setdefault(label, []).append(row["key_distortion"])
     lengths = sorted({r["length"] for r in records})
     rows = []
     for label in labels:
-        row = {"variant": label, "key_distortion": (sum(distortion[label]) / len(distortion[label])
-                                                    if label in distortion else None), "by_length": {}}
+        total, prompts = distortion.get(label, (0.0, 0))
+        row = {"variant": label, "key_distortion": total / prompts if prompts else None, "by_length": {}}
         for n in lengths:
             rs = [r for r in records if r["length"] == n]
             ref = sum(r["correct"]["exact"] for r in rs)
