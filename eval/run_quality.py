@@ -10,7 +10,7 @@ One process and one vLLM engine per (model, KV-cache dtype, install); a report p
         --python-path-stock /opt/site-stock --python-path-patched /opt/site \\
         --text data/wikitext2 --gsm8k data/gsm8k --out eval/results
 
-    python eval/run_quality.py --report-only eval/results/smollm2-135m-instruct/2026-11-22
+    python eval/run_quality.py --report-only eval/results/smollm2-135m-instruct/2026-11-24-h200
 
 See eval/README.md.
 """
