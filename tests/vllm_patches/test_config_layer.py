@@ -122,7 +122,9 @@ def test_boundary_layers_env(vllm_modules, monkeypatch):
 def test_specs_priced_by_format_table(vllm_modules, name, head_size):
     import torch
     from vllm.model_executor.layers.quantization.turboquant.config import tq_slot_size
-    from vllm.v1.kv_cache_interface import TQFullAttentionSpec, TQSlidingWindowSpec, is_tq_attention_spec
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec, is_tq_attention_spec
+
+    from turboquant_core.vllm.spec import TQSlidingWindowSpec
 
     slot = tq_slot_size(name, head_size)
     assert slot == get_format(name).bytes_per_token_per_head(head_size)
@@ -137,8 +139,10 @@ def test_sliding_spec_registration_and_fallback(vllm_modules):
     import torch
     from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
-    from vllm.v1.kv_cache_interface import TQFullAttentionSpec, TQSlidingWindowSpec
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from turboquant_core.vllm.spec import TQSlidingWindowSpec
 
     common = dict(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.uint8, tq_slot_size=228)
     sliding = TQSlidingWindowSpec(sliding_window=512, **common)
@@ -160,12 +164,14 @@ def test_backend_cache_shape(vllm_modules):
     pytest.importorskip("triton")
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
-        from vllm.v1.attention.backends.tq_attn import TQAttentionBackend
+
+        from turboquant_core.vllm.backend import TQAttentionBackend
     except ImportError as e:
         pytest.skip(f"the TurboQuant backend module does not import here: {e}")
     from turboquant_core.ops.paged import paged_layout
 
-    assert AttentionBackendEnum.TURBOQUANT.get_path() == "vllm.v1.attention.backends.tq_attn.TQAttentionBackend"
+    assert AttentionBackendEnum.TURBOQUANT.get_path() == "turboquant_core.vllm.backend.TQAttentionBackend"
+    assert AttentionBackendEnum.TURBOQUANT.get_class() is TQAttentionBackend
     assert TQAttentionBackend.get_name() == "TURBOQUANT"
     for name in KV_FORMATS:
         for block_size in TQAttentionBackend.get_supported_kernel_block_sizes():
@@ -326,3 +332,14 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
     model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
     base_loader.tq_key_smoothing(model, types.SimpleNamespace(lora_config=object()))
     assert log.lines[-1].startswith("TurboQuant key smoothing (1): 1 of 3 decoder layers smoothed")
+
+
+def test_every_glue_module_imports_under_the_patched_vllm(vllm_modules):
+    pytest.importorskip("triton")
+    from turboquant_core.vllm import backend, centering, spec, warmup
+
+    assert spec.TQSlidingWindowSpec.__module__ == "turboquant_core.vllm.spec"
+    assert backend.TQAttentionBackend.get_name() == "TURBOQUANT"
+    # vLLM resolves the warm-up and the backend through these names (patches 0002 and 0006).
+    assert warmup.warmup_tq_attention.__module__ == "turboquant_core.vllm.warmup"
+    assert centering.attach_key_centering.__module__ == "turboquant_core.vllm.centering"

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The patched vLLM's TurboQuant backend (vllm/v1/attention/backends/tq_attn.py) on a GPU:
+"""The patched vLLM's TurboQuant backend (turboquant_core/vllm/backend.py) on a GPU:
 builder + impl against a float64 reference built from turboquant_core's dequantization.
 
 Decode rows attend to every cached token (the step's token is read back from the cache);
@@ -35,7 +35,7 @@ def tq_attn():
         pytest.skip("vllm is not installed")
     if not (Path(list(spec.submodule_search_locations)[0]) / "_aither_tq_patches.txt").is_file():
         pytest.skip("vllm is not patched: run `python scripts/patches.py apply --installed`")
-    from vllm.v1.attention.backends import tq_attn as module
+    from turboquant_core.vllm import backend as module
 
     if not module.is_flash_attn_varlen_func_available():
         pytest.skip("vLLM's FlashAttention is not available")

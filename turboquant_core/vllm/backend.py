@@ -1,0 +1,638 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's TURBOQUANT attention backend (metadata, builder, backend, impl) on turboquant_core's paged kernels.
+
+``AttentionBackendEnum.TURBOQUANT`` points here (patch 0002 of ``vllm_patches/v0.26.0``). The cache of one layer is a
+uint8 tensor ``[num_blocks, num_kv_heads, head_page_bytes]`` whose byte layout (K indices, V indices, K scales,
+V scales per block and KV head) is ``turboquant_core.ops.paged.PagedTQLayout``; every ``turboquant_*`` cache dtype is
+a row of ``turboquant_core.formats.KV_FORMATS``. This module is glue: kernels, layouts and format math live in
+``turboquant_core.ops``.
+
+One step:
+- ``do_kv_cache_update`` (before ``forward``): ``tq_store`` rotates, quantizes and packs the step's K/V into their
+  pages.
+- decode requests (query length 1, first in the batch after reordering): paged attention over the compressed pages,
+  the token stored just before included.
+- prefill requests: the fresh tokens attend to each other in bf16 with FlashAttention (causal, sliding window);
+  requests with cached context (a later chunk of a chunked prefill, a prefix-cache hit) also attend to that context
+  ``[0, context_len)`` through the compressed kernel, and both parts are merged by their log-sum-exp.
+
+Key centering (``.centering``, attached at start-up; ``TQ_KEY_CENTERING``, on by default): a centred layer's store
+runs two passes around a small launch that derives each request's pre-RoPE key mean per KV head into
+``center_sums`` (a decode-only batch: the sums, then K and V in one pass), and attention adds the removed part back
+to the logits (exact). No extra bytes per token.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.config.cache import CacheDType
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.fa_utils import (
+    get_flash_attn_version,
+    is_flash_attn_varlen_func_available,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ..formats import KV_FORMATS, get_format
+from ..ops.key_centering import KeyCentering
+from ..ops.paged import (
+    ATTENTION_HEAD_DIMS,
+    PagedTQLayout,
+    TQAttentionPlan,
+    kv_cache_shape,
+    paged_layout,
+    tq_store,
+    warmup_kernels,
+)
+
+if is_flash_attn_varlen_func_available():
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+# Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
+logger = init_logger(f"vllm.{__name__}")
+
+# Split-KV scratch shared by all plans of one metadata builder (layers run one
+# after another on one stream). The plans cap their split count to what fits.
+_WORKSPACE_MB_ENV = "TQ_ATTN_WORKSPACE_MB"
+_DEFAULT_WORKSPACE_MB = 32
+
+
+def _check_tq_dtype(cache_dtype_str: str) -> None:
+    if cache_dtype_str not in KV_FORMATS:
+        raise ValueError(
+            f"the TURBOQUANT attention backend serves turboquant_* KV-cache dtypes "
+            f"only, got {cache_dtype_str!r}; valid: {', '.join(KV_FORMATS)}"
+        )
+
+
+class TQAttentionBackend(AttentionBackend):
+    """Attention over a TurboQuant-compressed paged KV cache."""
+
+    forward_includes_kv_cache_update: bool = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_FORMATS)  # type: ignore[assignment]
+
+    @staticmethod
+    def get_name() -> str:
+        # Must stay an AttentionBackendEnum member name (attention.py looks it up).
+        return "TURBOQUANT"
+
+    @staticmethod
+    def get_impl_cls() -> type["TQAttentionImpl"]:
+        return TQAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TQAttentionMetadataBuilder"]:
+        return TQAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """(num_blocks, num_kv_heads, head_page_bytes), uint8."""
+        _check_tq_dtype(cache_dtype_str)
+        layout = paged_layout(cache_dtype_str, head_size, block_size)
+        if layout.padding_bytes():
+            # The KV-cache spec prices a page as block_size * bytes_per_token;
+            # a padded layout would not fit the allocation.
+            raise ValueError(
+                f"{cache_dtype_str}: block size {block_size} with head size "
+                f"{head_size} needs {layout.padding_bytes()} padding bytes per "
+                f"page; use a block size that is a multiple of 16"
+            )
+        return kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
+        )
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [16, 32, 64, 128]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(ATTENTION_HEAD_DIMS)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
+        return kv_cache_dtype is not None and kv_cache_dtype in KV_FORMATS
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # KV connectors assume vLLM's own page layouts; not validated with ours.
+        return False
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # Tensor-core tl.dot in the kernels and FlashAttention for prefill.
+        return capability >= DeviceCapability(8, 0)
+
+
+@dataclass
+class TQLayerPlans:
+    """Launch plans of one (num_heads, window, scale) layer variant for this batch."""
+
+    decode: TQAttentionPlan  # decode requests over their whole cached sequence
+    context: TQAttentionPlan  # prefill requests over their cached context only
+
+
+@dataclass
+class TQAttentionMetadata(AttentionMetadata):
+    # Tokens of real requests; rows past it are CUDA-graph padding.
+    num_actual_tokens: int
+    # Requests with query length <= 1; the batch is reordered so they come first.
+    num_decodes: int
+    num_decode_tokens: int
+    # Requests after the decodes, with their real token count (from the CPU copy of
+    # query_start_loc, so padding rows are excluded).
+    num_prefills: int
+    num_prefill_tokens: int
+    # Slot of every token in the paged cache (< 0: padding, not stored).
+    slot_mapping: torch.Tensor
+    # (num_heads, sliding_window, scale) of a layer -> its planned launches.
+    plans: dict[tuple[int, int | None, float], TQLayerPlans]
+    # Prefill part, [num_prefills + 1] int32, rebased to start at 0 (FlashAttention's
+    # cu_seqlens for the fresh tokens and the context kernel's query_start_loc).
+    prefill_query_start_loc: torch.Tensor | None = None
+    # Longest fresh chunk among the prefill requests (host int, no device sync).
+    max_prefill_query_len: int = 0
+    # Whether some prefill request has cached context to attend to.
+    prefill_has_context: bool = False
+    # Whole-batch metadata for key centering (token positions, first pages) and the
+    # per-(request, KV head) sums its store writes and attention reads.
+    query_start_loc: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    center_sums: torch.Tensor | None = None
+
+
+class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
+    # Pure single-token decode batches replay as full CUDA graphs: the decode plan
+    # makes no host sync and reads only persistent metadata buffers. Mixed batches
+    # (FlashAttention prefill + context merge) run piecewise.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first, then prefills: one decode launch and one prefill pass.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+
+        self.cache_dtype = vllm_config.cache_config.cache_dtype
+        _check_tq_dtype(self.cache_dtype)
+        self.layout: PagedTQLayout = paged_layout(
+            self.cache_dtype, kv_cache_spec.head_size, kv_cache_spec.block_size
+        )
+        self.max_model_len = vllm_config.model_config.max_model_len
+
+        workspace_mb = int(os.environ.get(_WORKSPACE_MB_ENV, _DEFAULT_WORKSPACE_MB))
+        self.workspace = torch.empty(
+            max(workspace_mb << 20, 4) // 4, dtype=torch.float32, device=device
+        )
+        self.plans = {
+            key: TQLayerPlans(self._new_plan(key[0]), self._new_plan(key[0]))
+            for key in self._layer_variants(vllm_config, layer_names)
+        }
+        # Key-centering sums, shared by the group's layers (each layer's store
+        # rewrites them before its attention reads them).
+        self.center_sums = None
+        if not self.layout.key_is_fp8:
+            self.center_sums = torch.zeros(
+                vllm_config.scheduler_config.max_num_seqs,
+                kv_cache_spec.num_kv_heads,
+                2,
+                1 << (kv_cache_spec.head_size - 1).bit_length(),
+                dtype=torch.float32,
+                device=device,
+            )
+        logger.info_once(
+            "TurboQuant attention: %s, head size %d, kernel block %d, "
+            "%d B per token per KV head, split-KV workspace %d MiB per group",
+            self.cache_dtype,
+            kv_cache_spec.head_size,
+            kv_cache_spec.block_size,
+            self.layout.fmt.bytes_per_token_per_head(kv_cache_spec.head_size),
+            workspace_mb,
+        )
+
+    def _layer_variants(
+        self, vllm_config: VllmConfig, layer_names: list[str]
+    ) -> set[tuple[int, int | None, float]]:
+        # One plan per distinct (heads, window, scale): each layer then finds
+        # launches that match it even when a KV-cache group mixes windowed and
+        # global layers (hybrid KV-cache manager disabled).
+        layers = vllm_config.compilation_config.static_forward_context
+        variants = {
+            (impl.num_heads, impl.sliding_window, impl.scale)
+            for impl in (
+                getattr(layers.get(name), "impl", None) for name in layer_names
+            )
+            if isinstance(impl, TQAttentionImpl)
+        }
+        if not variants:
+            raise ValueError(
+                f"no TurboQuant attention layers among {layer_names[:4]}..."
+            )
+        return variants
+
+    def _new_plan(self, num_heads: int) -> TQAttentionPlan:
+        plan = TQAttentionPlan(
+            self.layout,
+            num_heads,
+            self.kv_cache_spec.num_kv_heads,
+            self.device,
+            workspace_bytes=4,
+        )
+        plan.workspace = self.workspace
+        return plan
+
+    def warmup_kernels(
+        self,
+        kv_cache: torch.Tensor,
+        dtype: torch.dtype,
+        centering: KeyCentering | None = None,
+    ) -> int:
+        """Compile every kernel variant of every layer variant before serving (see
+        turboquant_core.ops.paged.warmup_kernels); writes only the null block 0."""
+        per_token = self.layout.fmt.bytes_per_token_per_head(self.layout.head_dim)
+        layout = paged_layout(
+            self.layout.fmt, self.layout.head_dim, kv_cache.shape[-1] // per_token
+        )
+        launches = 0
+        for num_heads, window, scale in self.plans:
+            launches += len(
+                warmup_kernels(
+                    kv_cache,
+                    layout,
+                    num_heads,
+                    self.kv_cache_spec.num_kv_heads,
+                    dtype=dtype,
+                    sliding_window=window,
+                    softmax_scale=scale,
+                    centering=centering,
+                )
+            )
+        return launches
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> TQAttentionMetadata:
+        # The captured launch keeps its split count for every replay: size it for
+        # the longest sequence the model serves, not for the dummy capture batch.
+        return self._build(common_attn_metadata, decode_max_seq_len=self.max_model_len)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TQAttentionMetadata:
+        return self._build(common_attn_metadata, common_attn_metadata.max_seq_len)
+
+    def _build(
+        self, cam: CommonAttentionMetadata, decode_max_seq_len: int
+    ) -> TQAttentionMetadata:
+        assert self.reorder_batch_threshold is not None
+        # CPU-only split (query_start_loc_cpu): no device sync.
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold
+        )
+        num_reqs = cam.num_reqs
+        qsl_cpu = cam.query_start_loc_cpu
+
+        if num_decodes > 0:
+            for (_, window, scale), plans in self.plans.items():
+                plans.decode.plan(
+                    cam.block_table_tensor[:num_decodes],
+                    cam.query_start_loc[: num_decodes + 1],
+                    cam.seq_lens[:num_decodes],
+                    num_tokens=num_decode_tokens,
+                    max_query_len=1,
+                    max_seq_len=decode_max_seq_len,
+                    causal=True,
+                    sliding_window=window,
+                    softmax_scale=scale,
+                )
+
+        metadata = TQAttentionMetadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=0,
+            slot_mapping=cam.slot_mapping,
+            plans=self.plans,
+            query_start_loc=cam.query_start_loc,
+            seq_lens=cam.seq_lens,
+            block_table=cam.block_table_tensor,
+            center_sums=self.center_sums,
+        )
+        if num_prefills == 0:
+            return metadata
+
+        first, end = num_decodes, num_reqs
+        query_lens_cpu = qsl_cpu[first + 1 : end + 1] - qsl_cpu[first:end]
+        metadata.num_prefill_tokens = int(qsl_cpu[end] - qsl_cpu[first])
+        metadata.max_prefill_query_len = int(query_lens_cpu.max())
+        metadata.prefill_query_start_loc = (
+            cam.query_start_loc[first : end + 1] - num_decode_tokens
+        )
+        # Context = tokens computed before this step. The CPU upper bound of
+        # seq_lens is exact for prefill rows; without it, assume context.
+        if cam.seq_lens_cpu_upper_bound is not None:
+            context_cpu = cam.seq_lens_cpu_upper_bound[first:end] - query_lens_cpu
+            max_context_len = int(context_cpu.max())
+        else:
+            max_context_len = cam.max_seq_len
+        metadata.prefill_has_context = max_context_len > 0
+        if metadata.prefill_has_context:
+            query_lens = (
+                cam.query_start_loc[first + 1 : end + 1]
+                - cam.query_start_loc[first:end]
+            )
+            context_lens = (cam.seq_lens[first:end] - query_lens).to(torch.int32)
+            for (_, window, scale), plans in self.plans.items():
+                plans.context.plan(
+                    cam.block_table_tensor[first:end],
+                    metadata.prefill_query_start_loc,
+                    context_lens,
+                    num_tokens=metadata.num_prefill_tokens,
+                    max_query_len=metadata.max_prefill_query_len,
+                    max_seq_len=max_context_len,
+                    causal=False,
+                    sliding_window=window,
+                    softmax_scale=scale,
+                )
+        return metadata
+
+
+class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
+    supports_dcp: bool = False
+    supports_pcp: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args,
+    ) -> None:
+        _check_tq_dtype(kv_cache_dtype)
+        if head_size not in ATTENTION_HEAD_DIMS:
+            raise ValueError(
+                f"TurboQuant attention supports head sizes {ATTENTION_HEAD_DIMS}, "
+                f"got {head_size}"
+            )
+        if alibi_slopes is not None:
+            raise NotImplementedError("TurboQuant attention does not support ALiBi")
+        if logits_soft_cap:
+            raise NotImplementedError(
+                "TurboQuant attention does not support attention logit soft-capping "
+                f"(logits_soft_cap={logits_soft_cap})"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                "TurboQuant attention supports decoder self-attention only, "
+                f"got {attn_type}"
+            )
+        if kv_sharing_target_layer_name is not None:
+            # Prefill reads the fresh K/V of the layer itself, which a layer that
+            # borrows another layer's cache does not have.
+            raise NotImplementedError(
+                "TurboQuant attention does not support cross-layer KV sharing"
+            )
+        if extra_impl_args.get("sinks") is not None:
+            raise NotImplementedError(
+                "TurboQuant attention does not support attention sinks"
+            )
+
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fmt = get_format(kv_cache_dtype)
+        if not is_flash_attn_varlen_func_available():
+            raise RuntimeError(
+                "TurboQuant attention needs vLLM's FlashAttention for prefill"
+            )
+        self.fa_version = get_flash_attn_version(head_size=head_size)
+        # FlashAttention's window is (left, right) inclusive of the query itself.
+        self.fa_window = None if sliding_window is None else [sliding_window - 1, 0]
+        self._plan_key = (num_heads, sliding_window, self.scale)
+        self._layouts: dict[int, PagedTQLayout] = {}
+        # Set before serving by attach_key_centering (needs the model's RoPE).
+        self.key_centering: KeyCentering | None = None
+
+    def _layout_for(self, kv_cache: torch.Tensor) -> PagedTQLayout:
+        """Page layout of this layer's cache, from its (host-known) shape."""
+        head_page_bytes = kv_cache.shape[-1]
+        layout = self._layouts.get(head_page_bytes)
+        if layout is None:
+            per_token = self.fmt.bytes_per_token_per_head(self.head_size)
+            layout = paged_layout(
+                self.fmt, self.head_size, head_page_bytes // per_token
+            )
+            if layout.head_page_bytes != head_page_bytes:
+                raise ValueError(
+                    f"KV cache with {head_page_bytes} bytes per (block, head) does not "
+                    f"match {self.kv_cache_dtype} at head size {self.head_size}"
+                )
+            self._layouts[head_page_bytes] = layout
+        return layout
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        # slot_mapping covers the real tokens; key/value may carry padding rows.
+        num_tokens = slot_mapping.shape[0]
+        if num_tokens == 0:
+            return
+        md = _layer_metadata(layer) if self.key_centering is not None else None
+        if md is None:
+            # (profiling runs have no metadata and no cache contents to keep)
+            tq_store(
+                key[:num_tokens],
+                value[:num_tokens],
+                kv_cache,
+                slot_mapping,
+                self._layout_for(kv_cache),
+            )
+            return
+        tq_store(
+            key[:num_tokens],
+            value[:num_tokens],
+            kv_cache,
+            slot_mapping,
+            self._layout_for(kv_cache),
+            centering=self.key_centering,
+            query_start_loc=md.query_start_loc,
+            seq_lens=md.seq_lens,
+            block_table=md.block_table,
+            center_sums=md.center_sums,
+            # decode-only batch: the centres first, then K and V in one launch
+            single_token_requests=md.num_prefills == 0,
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TQAttentionMetadata,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] (this step's tokens, bf16/fp16),
+        kv_cache [num_blocks, Hkv, head_page_bytes] uint8 -> output [T, Hq, D]."""
+        assert output is not None, "TurboQuant attention writes into a given output"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "fused output quantization is not supported by TurboQuant attention"
+            )
+        if attn_metadata is None:
+            # Profiling run: no cache yet.
+            return output.fill_(0)
+
+        plans = attn_metadata.plans.get(self._plan_key)
+        if plans is None:
+            raise RuntimeError(
+                f"no TurboQuant plan for layer variant {self._plan_key}; planned: "
+                f"{sorted(attn_metadata.plans, key=str)}"
+            )
+        num_decode_tokens = attn_metadata.num_decode_tokens
+        if num_decode_tokens > 0:
+            plans.decode.run(
+                query[:num_decode_tokens],
+                kv_cache,
+                out=output[:num_decode_tokens],
+                **self._centering_args(attn_metadata, 0, attn_metadata.num_decodes),
+            )
+        if attn_metadata.num_prefills > 0:
+            self._prefill(query, key, value, kv_cache, attn_metadata, plans, output)
+        return output
+
+    def _centering_args(self, md: TQAttentionMetadata, first: int, end: int) -> dict:
+        if self.key_centering is None:
+            return {}
+        return dict(
+            centering=self.key_centering, center_sums=md.center_sums[first:end]
+        )
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: TQAttentionMetadata,
+        plans: TQLayerPlans,
+        output: torch.Tensor,
+    ) -> None:
+        start = md.num_decode_tokens
+        end = start + md.num_prefill_tokens
+        q, k, v = query[start:end], key[start:end], value[start:end]
+        out = output[start:end]
+        cu_seqlens = md.prefill_query_start_loc
+        max_len = md.max_prefill_query_len
+        has_context = md.prefill_has_context
+        # Both partial results get the same contiguous [tokens, heads, head]
+        # layout, as the merge kernel requires.
+        fresh_out = (
+            torch.empty(q.shape, dtype=q.dtype, device=q.device) if has_context else out
+        )
+        # Fresh tokens attend to each other in full precision.
+        fresh = flash_attn_varlen_func(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_k=max_len,
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=self.fa_window,
+            return_softmax_lse=has_context,
+            out=fresh_out,
+            fa_version=self.fa_version,
+        )
+        if not has_context:
+            return
+        fresh_lse = fresh[1]
+        # Cached context [0, context_len) from the compressed pages; requests
+        # without context give lse = -inf and drop out of the merge.
+        context_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        first = md.num_decodes
+        _, context_lse = plans.context.run(
+            q,
+            kv_cache,
+            out=context_out,
+            return_lse=True,
+            **self._centering_args(md, first, first + md.num_prefills),
+        )
+        # vLLM's fused merge writes straight into the output rows (no fp32
+        # temporaries); lse tensors are [num_heads, num_tokens], natural log.
+        merge_attn_states(out, context_out, context_lse, fresh_out, fresh_lse)
+
+
+def _layer_metadata(layer) -> TQAttentionMetadata | None:
+    """This step's metadata of ``layer`` from the forward context (None when absent)."""
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):  # speculative decoding: [0] is the base model's
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = md.get(layer.layer_name)
+    return md if isinstance(md, TQAttentionMetadata) else None

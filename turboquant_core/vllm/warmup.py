@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start-up of vLLM's TurboQuant layers (called from vLLM's kernel warm-up, patch 0006): attach key centering, then
+compile every kernel variant the serving paths can reach (store; decode split/unsplit; chunked-prefill context for
+every query-block shape; split merge), on the null block 0 of each group's KV cache, before CUDA-graph capture.
+
+vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
+this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
+on batch size or sequence length (run-time arguments), so this is all the compilation the backend needs.
+"""
+
+import time
+
+import torch
+from vllm.logger import init_logger
+
+from .backend import TQAttentionBackend, TQAttentionImpl
+from .centering import attach_key_centering
+
+# Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def warmup_tq_attention(model_runner) -> None:
+    """Attach key centering, then launch the TurboQuant kernels of every TURBOQUANT
+    attention group once, so that Triton compiles them during start-up instead of inside
+    the first requests."""
+    ctx = model_runner.compilation_config.static_forward_context
+    dtype = model_runner.model_config.dtype
+    skipped = attach_key_centering(model_runner)
+    centred = [
+        name
+        for name, layer in ctx.items()
+        if isinstance(getattr(layer, "impl", None), TQAttentionImpl)
+        and layer.impl.key_centering is not None
+    ]
+    logger.info(
+        "TurboQuant key centering: %d layers%s%s",
+        len(centred),
+        f" ({ctx[centred[0]].impl.key_centering.describe()})" if centred else "",
+        f"; not on {len(skipped)}: {sorted(set(skipped.values()))}" if skipped else "",
+    )
+    t0, launches = time.perf_counter(), 0
+    for groups in getattr(model_runner, "attn_groups", None) or []:
+        for group in groups:
+            if group.backend is not TQAttentionBackend or not group.layer_names:
+                continue
+            kv_cache = ctx[group.layer_names[0]].kv_cache
+            if isinstance(kv_cache, (list, tuple)):
+                kv_cache = kv_cache[0]
+            if kv_cache.numel() == 0:
+                continue
+            variants = {
+                id(c): c
+                for c in (ctx[n].impl.key_centering for n in group.layer_names)
+            }
+            for centering in variants.values():
+                launches += group.get_metadata_builder().warmup_kernels(
+                    kv_cache, dtype, centering
+                )
+    if launches:
+        torch.accelerator.synchronize()
+        logger.info(
+            "TurboQuant attention: %d kernel launches compiled in %.1f s",
+            launches,
+            time.perf_counter() - t0,
+        )
