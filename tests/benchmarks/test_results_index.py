@@ -21,8 +21,8 @@ def citing_files() -> list[Path]:
             and not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(REPO).parts)
             and not p.is_relative_to(REPO / "eval" / "results" / "smollm2-135m-instruct")
             and not p.is_relative_to(REPO / "eval" / "results" / "gemma-3-270m")]
-    sources = [p for d in ("turboquant_core", "eval", "scripts", "benchmarks", "tests") for p in (REPO / d).glob("**/*.py")
-               if "results" not in p.relative_to(REPO).parts]
+    sources = [p for d in ("turboquant_core", "eval", "scripts", "benchmarks", "tests")
+               for p in (REPO / d).glob("**/*.py") if "results" not in p.relative_to(REPO).parts]
     return sorted(docs + sources)
 
 

@@ -7,9 +7,11 @@ A serving engine must not hit a variant its start-up warm-up (``ops.paged.warmup
 compile. This test runs the real launchers with CPU tensors in a subprocess where Triton is *not*
 interpreted, replaces ``JITFunction.run`` by a probe that computes the specialization key with
 Triton's own binder for an sm_90 target (no compilation, no launch), and checks that serving-like
-batches (sliced block tables, every token count, odd strides) only produce keys the warm-up produced.
-It also compiles every warm-up variant to a cubin for sm_90 (Triton's bundled ptxas), which catches
-code that the interpreter accepts and the GPU compiler rejects.
+batches (sliced block tables, every token count, short and long cached contexts, odd strides) only
+produce keys the warm-up produced, and that the warm-up produces no key they never reach. It also
+compiles every warm-up variant to a cubin for sm_90 (Triton's bundled ptxas), which catches code that
+the interpreter accepts and the GPU compiler rejects, a variant over the shared-memory limit, and a
+store-path variant that spills registers.
 """
 
 import json
@@ -120,22 +122,26 @@ for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's lon
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
                   causal=True, sliding_window=window)
         plan.run(query[:reqs], cache, out=output[:reqs], **cen, **({"center_sums": sums} if cen else {}))
-for first in (0, 1, 3, 8):  # context after `first` decode rows: table slices start at row `first`
-    for ntok in list(range(1, 131)) + [257, 512]:
-        for reqs in (1, 2, 3):
-            if ntok < reqs:
-                continue
-            qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
-            ctx = torch.full((reqs,), 24, dtype=torch.int32)
-            q = query[first : first + ntok]
-            longest = int((qsl[1:] - qsl[:-1]).max())
-            plan.plan(table[first : first + reqs], qsl, ctx, num_tokens=ntok, max_query_len=longest,
-                      max_seq_len=24, causal=False, sliding_window=window)
-            out = torch.empty(q.shape, dtype=q.dtype)
-            plan.run(q, cache, out=out, return_lse=True, **cen, **({"center_sums": sums[first:]} if cen else {}))
+# Context after `first` decode rows (table slices start at row `first`), after a short cached context and
+# after a long one (a chunk of a long prefill or a prefix hit: the planner splits the KV range).
+for first in (0, 1, 3, 8):
+    for ctx_len in (24, 4096):
+        for ntok in list(range(1, 131)) + [257, 512]:
+            for reqs in (1, 2, 3):
+                if ntok < reqs:
+                    continue
+                qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
+                ctx = torch.full((reqs,), ctx_len, dtype=torch.int32)
+                q = query[first : first + ntok]
+                longest = int((qsl[1:] - qsl[:-1]).max())
+                plan.plan(table[first : first + reqs], qsl, ctx, num_tokens=ntok, max_query_len=longest,
+                          max_seq_len=ctx_len, causal=False, sliding_window=window)
+                out = torch.empty(q.shape, dtype=q.dtype)
+                plan.run(q, cache, out=out, return_lse=True, **cen,
+                         **({"center_sums": sums[first:]} if cen else {}))
 serve = set(seen)
 print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
-                      kernels=sorted({k for k, _ in serve}))))
+                      unused=sorted(map(list, warm - serve)), kernels=sorted({k for k, _ in serve}))))
 '''
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,43 +162,50 @@ def _probe(mode: str, case, *extra: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+# The kernels of the serving path (every batch stores; decode and context attend; a split launch merges).
+SERVING_KERNELS = {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_merge_splits_kernel"}
+# Kernels that run once per stored token: a stack frame here (register spills) slows every step down.
+STORE_PATH_KERNELS = {"tq_paged_store_kernel", "tq_key_center_sums_kernel"}
+SM90_SHARED_BYTES = 232448  # H100/H200 limit per block
+
+
+def _check_coverage(res: dict, kernels: set[str]) -> None:
+    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
+    # Warm-up compiles nothing that no serving batch reaches (each variant costs start-up compile time).
+    assert res["unused"] == [], f"warm-up variants no serving batch launches: {res['unused'][:3]}"
+    # Not vacuous: the probe saw the kernels of the serving path.
+    assert set(res["kernels"]) >= kernels
+
+
+def _check_compiled(res: dict) -> None:
+    compiled = res["compiled"]
+    assert {c["kernel"] for c in compiled} >= {"tq_paged_store_kernel", "tq_paged_attention_kernel"}
+    too_big = [c for c in compiled if c["shared"] > SM90_SHARED_BYTES]
+    assert not too_big, f"variants over the sm_90 shared-memory limit: {too_big}"
+    spills = [c for c in compiled if c["kernel"] in STORE_PATH_KERNELS and c["stack"] != 0]
+    assert not spills, f"store-path variants with a stack frame (spills): {spills}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_warmup_covers_every_serving_variant(case):
-    res = _probe("keys", case)
-    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
-    assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_merge_splits_kernel"}
-    # store + decode (2) + context (4 shapes x 2) + merge (with and without lse)
-    assert len(res["warm"]) == 1 + 2 + 8 + 2
+    _check_coverage(_probe("keys", case), SERVING_KERNELS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:2], ids=[c[0] for c in CASES[:2]])
 def test_warmup_covers_every_centred_serving_variant(case):
-    res = _probe("keys", case, "asm", "center")
-    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:3]}"
-    assert set(res["kernels"]) == {"tq_paged_store_kernel", "tq_key_center_sums_kernel", "tq_paged_attention_kernel",
-                                   "tq_merge_splits_kernel"}
-    # store (2 passes, and 1 for single-token batches) + sums (after, before the store) + decode (2)
-    # + context (4 shapes x 2) + merge (with and without lse)
-    assert len(res["warm"]) == 5 + 2 + 8 + 2
+    _check_coverage(_probe("keys", case, "asm", "center"), SERVING_KERNELS | {"tq_key_center_sums_kernel"})
 
 
 @pytest.mark.slow
 def test_centred_warmup_variants_compile_for_sm90():
-    res = _probe("compile", CASES[0], "asm", "center")
-    names = [c["kernel"] for c in res["compiled"]]
-    assert names.count("tq_paged_attention_kernel") == 10 and names.count("tq_paged_store_kernel") == 3
-    assert all(c["shared"] <= 232448 for c in res["compiled"])
+    _check_compiled(_probe("compile", CASES[0], "asm", "center"))
 
 
 @pytest.mark.slow
 def test_warmup_variants_compile_for_sm90():
-    res = _probe("compile", CASES[0])
-    names = [c["kernel"] for c in res["compiled"]]
-    assert len(names) == 13 and names.count("tq_paged_attention_kernel") == 10
-    assert all(c["shared"] <= 232448 for c in res["compiled"])  # H100/H200 limit per block
-    assert [c["stack"] for c in res["compiled"] if c["kernel"] == "tq_paged_store_kernel"] == [0]
+    _check_compiled(_probe("compile", CASES[0]))
 
 
 @pytest.mark.slow
@@ -200,8 +213,7 @@ def test_fp8_key_store_compiles_without_spills_for_sm90():
     """fp8 keys + 4-bit values at head_dim 128: an encoder variant that held the rotation rows of 8 products
     as register operands took this store kernel to 255 registers and a 112-byte spill stack on sm_90
     (25 % slower on an H100)."""
-    res = _probe("compile", ("turboquant_k8v4", 32, 8, 128, "none"))
-    assert [c["stack"] for c in res["compiled"] if c["kernel"] == "tq_paged_store_kernel"] == [0]
+    _check_compiled(_probe("compile", ("turboquant_k8v4", 32, 8, 128, "none")))
 
 
 @pytest.mark.slow
@@ -210,7 +222,5 @@ def test_two_segment_formats_at_head_dim_64_compile_for_sm90(fmt):
     """Two 32-wide segments (head_dim 64) in a 64-row block make Triton 3.6's dot-operand pass fail with
     plain loads, and the inline-PTX build of the same kernel read illegal addresses on an H100 (SmolLM2,
     GQA group 3). The planner keeps such formats at <= 32 rows; this compiles every warm-up variant
-    with plain loads, where the compiler failure shows on the CPU."""
-    res = _probe("compile", (fmt, 9, 3, 64, "none"), "plain")
-    names = [c["kernel"] for c in res["compiled"]]
-    assert names.count("tq_paged_attention_kernel") == 8  # decode (2) + context (3 shapes x 2)
+    (decode and every context shape) with plain loads, where the compiler failure shows on the CPU."""
+    _check_compiled(_probe("compile", (fmt, 9, 3, 64, "none"), "plain"))
