@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The patched vLLM config layer, without a GPU: --kv-cache-dtype choices, CacheConfig validation,
 KV-cache specs priced by turboquant_core's format table, the backend's cache shape, and the
-load-time key-smoothing hook (0007) on vLLM's own norm and RoPE modules.
+load-time key-smoothing hook (0008) on vLLM's own norm and RoPE modules, the TurboQuant options (0002).
 
 Runs only where a vLLM 0.26.0 patched by scripts/patches.py is importable (see
 vllm_patches/README.md for the CPU recipe); skips otherwise, saying why.
@@ -105,16 +105,74 @@ def test_cache_dtype_literal_matches_format_table(vllm_modules):
     assert all(STR_DTYPE_TO_TORCH_DTYPE[n] is torch.uint8 for n in KV_FORMATS)
 
 
-def test_boundary_layers_env(vllm_modules, monkeypatch):
+TQ_ENV = ("TQ_KEY_CENTERING", "TQ_KEY_SMOOTHING", "TQ_BOUNDARY_LAYERS", "TQ_ATTN_WORKSPACE_MB")
+
+
+@pytest.fixture
+def no_tq_env(monkeypatch):
+    for var in TQ_ENV:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _tq_config(parser, arg_utils, argv):
+    return arg_utils.EngineArgs.from_cli_args(parser.parse_args(argv)).create_tq_config()
+
+
+def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_env):
+    from turboquant_core.config import TQConfig
+
     arg_utils = vllm_modules[1]
-    monkeypatch.delenv("TQ_BOUNDARY_LAYERS", raising=False)
-    assert arg_utils._tq_boundary_layers_from_env() == 0
-    monkeypatch.setenv("TQ_BOUNDARY_LAYERS", "2")
-    assert arg_utils._tq_boundary_layers_from_env() == 2
-    for bad in ("-1", "two"):
-        monkeypatch.setenv("TQ_BOUNDARY_LAYERS", bad)
-        with pytest.raises(ValueError, match="TQ_BOUNDARY_LAYERS"):
-            arg_utils._tq_boundary_layers_from_env()
+    assert _tq_config(parser, arg_utils, []) == TQConfig()
+    got = _tq_config(parser, arg_utils, ["--kv-cache-dtype", "turboquant_k3v4_nc", "--no-tq-key-centering",
+                                         "--tq-key-smoothing", "all", "--tq-boundary-layers", "2",
+                                         "--tq-attention-workspace-mb", "64"])
+    assert got == TQConfig(key_centering=False, key_smoothing="all", boundary_layers=2, attention_workspace_mb=64)
+    with pytest.raises(ValueError, match="boundary_layers must be an integer >= 0"):
+        _tq_config(parser, arg_utils, ["--tq-boundary-layers", "-1"])
+
+
+def test_turboquant_options_in_help_with_their_choices(parser, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=CacheConfig"])
+    out = capsys.readouterr().out
+    for option in ("--tq-key-centering", "--no-tq-key-centering", "--tq-key-smoothing", "--tq-boundary-layers",
+                   "--tq-attention-workspace-mb"):
+        assert option in out
+    assert "{auto,all,off}" in out
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--tq-key-smoothing", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "auto" in err and "all" in err and "off" in err
+
+
+def test_deprecated_environment_is_read_once_with_a_warning(parser, vllm_modules, no_tq_env):
+    arg_utils = vllm_modules[1]
+    log = []
+    no_tq_env.setattr(arg_utils, "logger", type("L", (), {"warning": staticmethod(log.append)}))
+    no_tq_env.setenv("TQ_KEY_CENTERING", "0")
+    no_tq_env.setenv("TQ_BOUNDARY_LAYERS", "2")
+    got = _tq_config(parser, arg_utils, ["--tq-boundary-layers", "1"])  # the option wins over the variable
+    assert got.key_centering is False and got.boundary_layers == 1
+    assert any("TQ_KEY_CENTERING=0 is deprecated" in w and "--tq-key-centering" in w for w in log)
+    assert any("TQ_BOUNDARY_LAYERS=2 is deprecated and ignored" in w for w in log)
+    no_tq_env.setenv("TQ_KEY_SMOOTHING", "maybe")
+    with pytest.raises(ValueError, match="TQ_KEY_SMOOTHING .*--tq-key-smoothing.*auto, 1, 0"):
+        _tq_config(parser, arg_utils, [])
+
+
+def test_cache_config_carries_the_options_outside_the_compile_hash(vllm_modules):
+    from turboquant_core.config import TQConfig
+
+    cache_config_cls = vllm_modules[0]
+    default = cache_config_cls(cache_dtype="turboquant_k3v4_nc")
+    assert default.turboquant == TQConfig()
+    off = cache_config_cls(cache_dtype="turboquant_k3v4_nc", turboquant=TQConfig(key_centering=False))
+    assert off.turboquant.key_centering is False
+    assert off.compute_hash() == default.compute_hash()
+    with pytest.raises(ValueError, match="key_smoothing must be one of auto, all, off"):
+        cache_config_cls(cache_dtype="turboquant_k3v4_nc", turboquant=TQConfig(key_smoothing="1"))
 
 
 @pytest.mark.parametrize("name", list(KV_FORMATS))
@@ -187,7 +245,7 @@ def test_backend_cache_shape(vllm_modules):
 
 
 # ----------------------------------------------------------------------------------------------
-# 0007: key smoothing folded in by BaseModelLoader.load_model
+# 0008: key smoothing folded in by BaseModelLoader.load_model
 # ----------------------------------------------------------------------------------------------
 
 
@@ -267,11 +325,22 @@ def _logits(layer, hidden):
     return torch.einsum("thd,shd->hts", q, k)
 
 
-def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
-    import inspect
+def _engine(smoothing: str, lora=None):
+    """The parts of a VllmConfig that key smoothing reads."""
     import types
 
+    from turboquant_core.config import TQConfig
+
+    return types.SimpleNamespace(cache_config=types.SimpleNamespace(turboquant=TQConfig(key_smoothing=smoothing)),
+                                 lora_config=lora)
+
+
+def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
+    import inspect
+
     import torch
+
+    from turboquant_core.vllm import key_smoothing
 
     base_loader, rms_norm, gemma_rms_norm, get_rope = loader_modules
     src = inspect.getsource(base_loader.BaseModelLoader.load_model)
@@ -279,26 +348,20 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
     assert src.index("tq_key_smoothing(model, vllm_config)") < src.index("process_weights_after_loading(")
 
     log = _Recorder()
-    monkeypatch.setattr(base_loader, "logger", log)
-    no_lora = types.SimpleNamespace(lora_config=None)
+    monkeypatch.setattr(key_smoothing, "logger", log)
+    monkeypatch.setenv("TQ_KEY_SMOOTHING", "1")  # deprecated: never read here (only when the engine config is made)
     model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
     hidden = torch.randn(12, 48, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before_state = {k: v.clone() for k, v in model.state_dict().items()}
         before = [_logits(layer, hidden) for layer in model.layers]
 
-        monkeypatch.setenv("TQ_KEY_SMOOTHING", "0")
-        base_loader.tq_key_smoothing(model, no_lora)
+        key_smoothing.tq_key_smoothing(model, _engine("off"))
         assert all(torch.equal(v, before_state[k]) for k, v in model.state_dict().items())
-        assert log.lines == ["TurboQuant key smoothing: off (TQ_KEY_SMOOTHING=0)"]
+        assert log.lines == ["TurboQuant key smoothing: off (--tq-key-smoothing off)"]
 
-        monkeypatch.setenv("TQ_KEY_SMOOTHING", "yes")
-        with pytest.raises(ValueError, match="TQ_KEY_SMOOTHING must be auto, 1 or 0"):
-            base_loader.tq_key_smoothing(model, no_lora)
-
-        # Default (auto): only the layer with q/k-norm gains; the Llama-style layer 0 is left alone.
-        monkeypatch.delenv("TQ_KEY_SMOOTHING")
-        base_loader.tq_key_smoothing(model, no_lora)
+        # auto (the default): only the layer with q/k-norm gains; the Llama-style layer 0 is left alone.
+        key_smoothing.tq_key_smoothing(model, _engine("auto"))
         line = log.lines[-1]
         assert line.startswith("TurboQuant key smoothing (auto): 1 of 3 decoder layers smoothed"), line
         assert "no q/k norms, and folding into the qkv_proj rows is off (first layers.0)" in line
@@ -308,16 +371,15 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
         for layer, ref in zip(model.layers, before):
             torch.testing.assert_close(_logits(layer, hidden), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
-    # TQ_KEY_SMOOTHING=1: the qkv_proj rows of layers without q/k norms too.
+    # all: the qkv_proj rows of layers without q/k norms too.
     model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
     with torch.no_grad():
         before_state = {k: v.clone() for k, v in model.state_dict().items()}
         before = [_logits(layer, hidden) for layer in model.layers]
-        monkeypatch.setenv("TQ_KEY_SMOOTHING", "1")
-        base_loader.tq_key_smoothing(model, no_lora)
+        key_smoothing.tq_key_smoothing(model, _engine("all"))
         line = log.lines[-1]
-        assert line.startswith("TurboQuant key smoothing (1): 2 of 3 decoder layers smoothed; skipped: 1 x RoPE is "
-                               "not rotate-half"), line
+        assert line.startswith("TurboQuant key smoothing (all): 2 of 3 decoder layers smoothed; skipped: 1 x RoPE "
+                               "is not rotate-half"), line
         assert "(first layers.2)" in line
         for layer, ref in zip(model.layers, before):
             after = _logits(layer, hidden)
@@ -327,19 +389,19 @@ def test_key_smoothing_hook_in_load_model(loader_modules, monkeypatch):
         assert changed == {"layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.qkv_proj.bias",
                            "layers.1.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"}
 
-    # With LoRA, even TQ_KEY_SMOOTHING=1 puts scales only into q/k norm gains (adapters on qkv_proj would not
-    # see scaled rows).
+    # With LoRA, even `all` puts scales only into q/k norm gains (adapters on qkv_proj would not see scaled rows).
     model = _vllm_style_model(rms_norm, gemma_rms_norm, get_rope)
-    base_loader.tq_key_smoothing(model, types.SimpleNamespace(lora_config=object()))
-    assert log.lines[-1].startswith("TurboQuant key smoothing (1): 1 of 3 decoder layers smoothed")
+    key_smoothing.tq_key_smoothing(model, _engine("all", lora=object()))
+    assert log.lines[-1].startswith("TurboQuant key smoothing (all): 1 of 3 decoder layers smoothed")
 
 
 def test_every_glue_module_imports_under_the_patched_vllm(vllm_modules):
     pytest.importorskip("triton")
-    from turboquant_core.vllm import backend, centering, spec, warmup
+    from turboquant_core.vllm import backend, centering, key_smoothing, spec, warmup
 
     assert spec.TQSlidingWindowSpec.__module__ == "turboquant_core.vllm.spec"
     assert backend.TQAttentionBackend.get_name() == "TURBOQUANT"
-    # vLLM resolves the warm-up and the backend through these names (patches 0002 and 0006).
+    # vLLM resolves the warm-up and the backend through these names (patches 0003 and 0007).
     assert warmup.warmup_tq_attention.__module__ == "turboquant_core.vllm.warmup"
     assert centering.attach_key_centering.__module__ == "turboquant_core.vllm.centering"
+    assert key_smoothing.tq_key_smoothing.__module__ == "turboquant_core.vllm.key_smoothing"

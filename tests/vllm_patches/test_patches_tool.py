@@ -350,7 +350,7 @@ def test_real_series_on_pristine_sources(vllm_wheel, tmp_path):
     assert "flash_attn_version = 2" not in arg_utils
     # Key smoothing is folded in at load time, before the weights are processed into kernel format.
     base_loader = (site / "vllm" / "model_executor" / "model_loader" / "base_loader.py").read_text()
-    assert "def tq_key_smoothing(" in base_loader and "apply_key_smoothing_fused" in base_loader
+    assert "from turboquant_core.vllm.key_smoothing import tq_key_smoothing" in base_loader
     assert base_loader.index("tq_key_smoothing(model, vllm_config)") < base_loader.index(
         "process_weights_after_loading(model, model_config, target_device)")
     warmup = (site / "vllm" / "model_executor" / "warmup" / "kernel_warmup.py").read_text()
@@ -376,3 +376,41 @@ def test_offline_the_wheel_test_skips_with_the_reason(tmp_path):
     assert "1 skipped" in res.stdout
     assert f"could not download the vLLM {VLLM_VERSION} wheel" in res.stdout
     assert "-m 'not network'" in res.stdout
+
+
+def test_help_explains_each_command_and_option():
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "patches.py"), "--help"], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "1000"})  # one line per entry
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    for cmd in ("status", "check", "apply", "revert"):  # one line each: the name, then what it does
+        (line,) = [ln for ln in lines if ln.split()[:1] == [cmd]]
+        assert len(line.split()) > 4, line
+    target = next(ln for ln in lines if ln.strip().startswith("--target DIR"))
+    assert "contains the vllm package directory" in target and "site-packages" in target
+    assert "default: the one holding the vllm this Python imports" in target
+    assert any(ln.strip().startswith("--installed") for ln in lines)
+    series = next(ln for ln in lines if ln.strip().startswith("--series FILE"))
+    assert f"default: {patches.DEFAULT_SERIES}" in series
+    assert "exit status: 0 done" in res.stdout
+
+
+@pytest.mark.parametrize("cmd", ["status", "check", "apply", "revert"])
+def test_command_help(cmd, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per entry
+    with pytest.raises(SystemExit) as e:
+        patches.main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python scripts/patches.py {cmd} ") and "--target DIR" in out
+    assert patches.COMMANDS[cmd][1:] in out
+
+
+def test_options_before_or_after_the_command():
+    parse = patches.build_parser().parse_args
+    before, after = parse(["--target", "t", "--series", "s", "apply"]), parse(["apply", "--target", "t",
+                                                                                 "--series", "s"])
+    assert (before.command, before.target, before.series) == (after.command, after.target, after.series) \
+        == ("apply", Path("t"), Path("s"))
+    plain = parse(["status"])
+    assert plain.target is None and not plain.installed and plain.series == patches.DEFAULT_SERIES

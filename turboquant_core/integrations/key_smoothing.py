@@ -26,9 +26,9 @@ One computation of s (``weight_scales``), two front-ends:
   ``self_attn.qkv_proj.weight`` of [q rows | k rows | v rows] for this tensor-parallel rank, per-rank
   ``q_size``, ``kv_size``, ``head_dim``, ``num_heads``, ``num_kv_heads``, ``rotary_emb`` and
   optional ``q_norm`` / ``k_norm`` (``RMSNorm``: x * w, ``GemmaRMSNorm``: x * (1 + w)). The
-  patched vLLM (vllm_patches/v0.26.0/0007-tq-key-smoothing.patch) calls it once, when the weights
-  are loaded, for every ``turboquant_*`` KV-cache dtype: by default (``TQ_KEY_SMOOTHING=auto``) with
-  ``fold_qkv_rows=False``, i.e. only layers with q/k-norm gains; ``1`` folds into the qkv rows too.
+  patched vLLM (``turboquant_core.vllm.key_smoothing``, patch 0008) calls it once, when the weights
+  are loaded, for every ``turboquant_*`` KV-cache dtype: by default (``--tq-key-smoothing auto``) with
+  ``fold_qkv_rows=False``, i.e. only layers with q/k-norm gains; ``all`` folds into the qkv rows too.
   Layers it cannot smooth exactly are left untouched and reported: non-float (quantized) qkv
   weights, RoPE other than rotate-half over the whole head, odd head_dim, unknown norm types. With
   tensor parallelism each rank pools the statistics of its own heads, so s can differ between

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-ENV_KEY_CENTERING = "TQ_KEY_CENTERING"
-
 
 @dataclass(frozen=True)
 class KeyCentering:
@@ -200,6 +198,6 @@ def request_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num
     return torch.where(valid, pos, -1)
 
 
-__all__ = ["ENV_KEY_CENTERING", "KeyCentering", "center_sums_from_keys_ref", "center_vectors_ref",
+__all__ = ["KeyCentering", "center_sums_from_keys_ref", "center_vectors_ref",
            "key_centering_tables", "page_center_rows", "request_positions", "rope_theta_from_cos_sin_cache",
            "token_centers_ref"]

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's TURBOQUANT attention backend (metadata, builder, backend, impl) on turboquant_core's paged kernels.
 
-``AttentionBackendEnum.TURBOQUANT`` points here (patch 0002 of ``vllm_patches/v0.26.0``). The cache of one layer is a
+``AttentionBackendEnum.TURBOQUANT`` points here (patch 0003 of ``vllm_patches/v0.26.0``). The cache of one layer is a
 uint8 tensor ``[num_blocks, num_kv_heads, head_page_bytes]`` whose byte layout (K indices, V indices, K scales,
 V scales per block and KV head) is ``turboquant_core.ops.paged.PagedTQLayout``; every ``turboquant_*`` cache dtype is
 a row of ``turboquant_core.formats.KV_FORMATS``. This module is glue: kernels, layouts and format math live in
@@ -16,18 +16,18 @@ One step:
   requests with cached context (a later chunk of a chunked prefill, a prefix-cache hit) also attend to that context
   ``[0, context_len)`` through the compressed kernel, and both parts are merged by their log-sum-exp.
 
-Key centering (``.centering``, attached at start-up; ``TQ_KEY_CENTERING``, on by default): a centred layer's store
-runs two passes around a small launch that derives each request's pre-RoPE key mean per KV head into
-``center_sums`` (a decode-only batch: the sums, then K and V in one pass), and attention adds the removed part back
-to the logits (exact). No extra bytes per token.
+Options (``turboquant_core.config.TQConfig``, from vLLM's ``CacheConfig.turboquant``) reach the builder and the impl
+at construction. Key centering (``.centering``, attached at start-up; ``--tq-key-centering``, on by default): a
+centred layer's store runs two passes around a small launch that derives each request's pre-RoPE key mean per KV head
+into ``center_sums`` (a decode-only batch: the sums, then K and V in one pass), and attention adds the removed part
+back to the logits (exact). No extra bytes per token.
 """
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.cache import CacheDType
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -50,6 +50,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ..config import TQConfig
 from ..formats import KV_FORMATS, get_format
 from ..ops.key_centering import KeyCentering
 from ..ops.paged import (
@@ -67,11 +68,6 @@ if is_flash_attn_varlen_func_available():
 
 # Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger(f"vllm.{__name__}")
-
-# Split-KV scratch shared by all plans of one metadata builder (layers run one
-# after another on one stream). The plans cap their split count to what fits.
-_WORKSPACE_MB_ENV = "TQ_ATTN_WORKSPACE_MB"
-_DEFAULT_WORKSPACE_MB = 32
 
 
 def _check_tq_dtype(cache_dtype_str: str) -> None:
@@ -221,7 +217,10 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         )
         self.max_model_len = vllm_config.model_config.max_model_len
 
-        workspace_mb = int(os.environ.get(_WORKSPACE_MB_ENV, _DEFAULT_WORKSPACE_MB))
+        self.tq_config = TQConfig.from_vllm(vllm_config)
+        # Split-KV scratch shared by all plans of this builder (layers run one after
+        # another on one stream). The plans cap their split count to what fits.
+        workspace_mb = self.tq_config.attention_workspace_mb
         self.workspace = torch.empty(
             max(workspace_mb << 20, 4) // 4, dtype=torch.float32, device=device
         )
@@ -465,7 +464,11 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         self.fa_window = None if sliding_window is None else [sliding_window - 1, 0]
         self._plan_key = (num_heads, sliding_window, self.scale)
         self._layouts: dict[int, PagedTQLayout] = {}
-        # Set before serving by attach_key_centering (needs the model's RoPE).
+        # The engine's TurboQuant options (vLLM sets the current config while it
+        # builds the model's layers).
+        self.tq_config = TQConfig.from_vllm(get_current_vllm_config())
+        # Set before serving by attach_key_centering (needs the model's RoPE) when
+        # self.tq_config.key_centering is on.
         self.key_centering: KeyCentering | None = None
 
     def _layout_for(self, kv_cache: torch.Tensor) -> PagedTQLayout:

@@ -10,12 +10,9 @@ that share that page through prefix caching agree); attention adds the removed p
 keys, sliding-window layers (their first page is freed), RoPE that is not a per-pair rotation.
 """
 
-import os
-
 import torch
 
 from ..ops.key_centering import (
-    ENV_KEY_CENTERING,
     KeyCentering,
     key_centering_tables,
     rope_theta_from_cos_sin_cache,
@@ -57,10 +54,8 @@ def _centering_for(
 
 def attach_key_centering(model_runner) -> dict[str, str]:
     """Give every TurboQuant layer that can take it its key-centering tables (before any
-    KV-cache write). Returns {layer: why not} for the others. TQ_KEY_CENTERING=0: none."""
-    raw = os.environ.get(ENV_KEY_CENTERING, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV_KEY_CENTERING} must be 0 or 1, got {raw!r}")
+    KV-cache write). Returns {layer: why not} for the others (all of them with
+    --no-tq-key-centering)."""
     ctx = model_runner.compilation_config.static_forward_context
     skipped: dict[str, str] = {}
     tables: dict = {}
@@ -71,8 +66,8 @@ def attach_key_centering(model_runner) -> dict[str, str]:
         if not isinstance(impl, TQAttentionImpl):
             continue
         name = getattr(attn, "layer_name", "?")
-        if raw == "0":
-            skipped[name] = f"{ENV_KEY_CENTERING}=0"
+        if not impl.tq_config.key_centering:
+            skipped[name] = "--no-tq-key-centering"
             continue
         kv_cache = ctx[name].kv_cache if name in ctx else None
         if isinstance(kv_cache, (list, tuple)):

@@ -5,7 +5,7 @@ Stock vLLM gives a TurboQuant sliding layer a bf16-priced ``SlidingWindowSpec``,
 windows, so such models cannot start. ``TQSlidingWindowSpec`` is a ``SlidingWindowSpec`` priced like stock's
 ``TQFullAttentionSpec`` (``block_size * num_kv_heads * tq_slot_size``), so the sliding and full layers of a model
 share one page size at one block size, while the sliding-window block manager still frees blocks outside the
-window. Patch 0005 registers it with that manager and builds it for sliding layers with a ``turboquant_*`` dtype.
+window. Patch 0006 registers it with that manager and builds it for sliding layers with a ``turboquant_*`` dtype.
 """
 
 from dataclasses import dataclass

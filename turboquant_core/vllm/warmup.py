@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start-up of vLLM's TurboQuant layers (called from vLLM's kernel warm-up, patch 0006): attach key centering, then
+"""Start-up of vLLM's TurboQuant layers (called from vLLM's kernel warm-up, patch 0007): attach key centering, then
 compile every kernel variant the serving paths can reach (store; decode split/unsplit; chunked-prefill context for
 every query-block shape; split merge), on the null block 0 of each group's KV cache, before CUDA-graph capture.
 
