@@ -116,7 +116,9 @@ def no_tq_env(monkeypatch):
 
 
 def _tq_config(parser, arg_utils, argv):
-    return arg_utils.EngineArgs.from_cli_args(parser.parse_args(argv)).create_tq_config()
+    # create_tq_config reads only the tq_* arguments; called on the parsed namespace, it skips EngineArgs' other
+    # post-processing (which looks up the default model).
+    return arg_utils.EngineArgs.create_tq_config(parser.parse_args(argv))
 
 
 def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_env):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.config.cache import CacheDType
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -465,8 +465,8 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         self._plan_key = (num_heads, sliding_window, self.scale)
         self._layouts: dict[int, PagedTQLayout] = {}
         # The engine's TurboQuant options (vLLM sets the current config while it
-        # builds the model's layers).
-        self.tq_config = TQConfig.from_vllm(get_current_vllm_config())
+        # builds the model's layers; without one, the defaults).
+        self.tq_config = TQConfig.from_vllm(get_current_vllm_config_or_none())
         # Set before serving by attach_key_centering (needs the model's RoPE) when
         # self.tq_config.key_centering is on.
         self.key_centering: KeyCentering | None = None
