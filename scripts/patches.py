@@ -521,16 +521,54 @@ def run(command: str, target: Path, series_file: Path, out=print) -> int:
     raise UsageError(f"unknown command {command!r}")
 
 
+COMMANDS = {  # name: what it does, one line each in --help
+    "status": "say whether the series is applied, not applied, or partially applied or modified (exit 1); "
+              "changes nothing",
+    "check": "test that the series would apply cleanly (exit 1 if not); changes nothing",
+    "apply": "apply the whole series, every file or none, and write the marker file " + MARKER,
+    "revert": "undo an applied series and remove the marker file",
+}
+EXIT_STATUS = """exit status: 0 done (or nothing to do), 1 the series does not apply or the tree is partially
+patched or modified, 2 bad arguments or a vLLM version the series is not for.
+
+examples:
+  python scripts/patches.py status --installed
+  python scripts/patches.py check --target ~/src/vllm
+  python scripts/patches.py apply --target .venv/lib/python3.12/site-packages"""
+
+
+def _add_options(parser: argparse.ArgumentParser, with_defaults: bool) -> None:
+    # Given on the main parser (before the command) or on a command's parser (after it): only the main parser
+    # sets defaults, so an option given before the command is not reset by the command's parser.
+    unset = {} if with_defaults else {"default": argparse.SUPPRESS}
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--target", type=Path, metavar="DIR", **unset,
+                       help="the directory that contains the vllm package directory (vllm/): the root of a vLLM "
+                            "source checkout, or a site-packages directory (default: the one holding the vllm this "
+                            "Python imports, as --installed)")
+    where.add_argument("--installed", action="store_true", **unset,
+                       help="target the vllm package importable by this Python, found without importing it "
+                            "(the default)")
+    parser.add_argument("--series", type=Path, metavar="FILE", default=DEFAULT_SERIES if with_defaults
+                        else argparse.SUPPRESS,
+                        help="series file listing the patches in order; the name of its directory is the vLLM "
+                             f"version the target must have (default: {DEFAULT_SERIES})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/patches.py", description=__doc__.split("\n\n")[0],
+                                 epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_options(ap, with_defaults=True)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
+    for name, what in COMMANDS.items():
+        p = sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".", epilog=EXIT_STATUS,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_options(p, with_defaults=False)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["apply", "check", "revert", "status"])
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--target", type=Path, help="directory containing the vllm package")
-    where.add_argument("--installed", action="store_true",
-                       help="patch the vllm package importable by this Python (default)")
-    ap.add_argument("--series", type=Path, default=DEFAULT_SERIES, help=f"series file (default: {DEFAULT_SERIES})")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         target = args.target.resolve() if args.target else installed_target()
         return run(args.command, target, args.series)

@@ -139,6 +139,19 @@ def test_memory_text_and_json(capsys, tmp_path):
     assert data["rows"][2]["kv_bytes"] == 32 * 8 * 116 * 8192
 
 
+def test_memory_warns_past_max_position_embeddings(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA, "max_position_embeddings": 131072}))
+    code, out, err = run(capsys, "memory", "--config", str(cfg), "--context", "200000")
+    assert code == 0 and "turboquant_k3v4_nc" in out  # the table is printed all the same
+    assert err == ("warning: --context 200000 exceeds the model's max_position_embeddings 131072; sizes are "
+                   "computed anyway, but the model was not configured for contexts this long\n")
+    code, out, err = run(capsys, "memory", "--config", str(cfg), "--context", "200000", "--json")
+    assert code == 0 and json.loads(out)["max_position_embeddings"] == 131072 and "131072" in err
+    code, _, err = run(capsys, "memory", "--config", str(cfg), "--context", "131072")
+    assert code == 0 and err == ""
+
+
 def test_memory_config_errors_exit_2(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "x", "num_attention_heads": 8, "hidden_size": 1024}))
@@ -156,6 +169,16 @@ def test_eval_ppl_is_lazy(capsys):
         assert code == 0 and "usage: tq eval-ppl" in out
         # Both regimes by default (serving first), key centering on with a way to turn it off.
         assert "default 256,0" in out and "--no-key-centering" in out
+
+
+def test_eval_ppl_missing_model_path_says_not_found(capsys):
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "eval-ppl", "--model", "/no/such/dir", "--presets", "turboquant_4bit_nc",
+                         "--window", "16", "--windows", "1", "--prefill-chunk", "0")
+    assert code == 2 and out == ""
+    assert err.startswith("error: model path '/no/such/dir' not found; expected one of smollm2-135m-instruct, "
+                          "gemma-3-270m") and err.count("\n") == 1
+    assert "unknown model" not in err
 
 
 def test_presets_imports_neither_triton_nor_transformers():

@@ -4,7 +4,14 @@ import json
 import pytest
 
 from turboquant_core.formats import KV_FORMATS, get_format
-from turboquant_core.memory import GIB, ModelConfigError, kv_shape_from_config, load_config, memory_report
+from turboquant_core.memory import (
+    GIB,
+    ModelConfigError,
+    context_warning,
+    kv_shape_from_config,
+    load_config,
+    memory_report,
+)
 
 LLAMA_8B = {  # Llama 3.1 8B's attention geometry
     "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -153,3 +160,16 @@ def test_configs_without_layer_types_follow_transformers():
                "hidden_size": 4096, "sliding_window": 4096}
     shape = kv_shape_from_config(mistral)
     assert shape.layer_windows == (4096,) * 3 and shape.layer_types_source == "sliding_window applies to every layer"
+
+
+def test_context_beyond_max_position_embeddings_is_named():
+    cfg = {**LLAMA_8B, "max_position_embeddings": 131072}
+    assert context_warning(cfg, 131072) is None
+    assert context_warning(LLAMA_8B, 10**6) is None  # no limit in the config: nothing to say
+    msg = context_warning(cfg, 200_000)
+    assert msg.startswith("--context 200000 exceeds the model's max_position_embeddings 131072;")
+    # A multimodal config: the decoder's limit counts.
+    assert "131072" in context_warning({"model_type": "llava", "text_config": cfg}, 200_000)
+    rep = memory_report(cfg, context=200_000)
+    assert rep["max_position_embeddings"] == 131072
+    assert _rows(rep)["bf16"]["kv_bytes"] == 32 * 8 * 512 * 200_000  # the table is still computed

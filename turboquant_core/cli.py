@@ -214,9 +214,13 @@ def cmd_bench(args, argv: list[str]) -> int:
 
 
 def cmd_memory(args) -> int:
-    from .memory import load_config, memory_report
+    from .memory import context_warning, load_config, memory_report
 
-    report = memory_report(load_config(args.config), args.context, args.batch, args.gpu_mem_gb, args.presets)
+    cfg = load_config(args.config)
+    report = memory_report(cfg, args.context, args.batch, args.gpu_mem_gb, args.presets)
+    warning = context_warning(cfg, args.context)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         _print_json(report)
         return EXIT_OK

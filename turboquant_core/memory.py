@@ -173,6 +173,15 @@ def kv_shape_from_config(cfg: dict) -> KVShape:
     return KVShape(str(cfg.get("model_type", "unknown")), layers, kv_heads, head_dim, tuple(windows), source)
 
 
+def context_warning(cfg: dict, context: int) -> str | None:
+    """Why ``context`` tokens are beyond what the model was configured for, or None when they are not."""
+    limit = _text_config(cfg).get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < context:
+        return (f"--context {context} exceeds the model's max_position_embeddings {limit}; sizes are computed "
+                "anyway, but the model was not configured for contexts this long")
+    return None
+
+
 def memory_report(
     cfg: dict,
     context: int,
@@ -227,6 +236,7 @@ def memory_report(
         "windowed_layers": sum(1 for w in windows if w),
         "no_kv_layers": sum(1 for w in windows if w == 0),
         "layer_types_source": shape.layer_types_source,
+        "max_position_embeddings": _text_config(cfg).get("max_position_embeddings"),
         "context": context,
         "batch": batch,
         "gpu_mem_gib": gpu_mem_gib,

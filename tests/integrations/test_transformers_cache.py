@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """TurboQuantCache on tiny randomly initialised Llama, Qwen2, Qwen3 and Gemma 3 models (CPU, seconds)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from turboquant_core.integrations.transformers_cache import (  # noqa: E402
     TurboQuantCache,
     TurboQuantLayer,
     TurboQuantSlidingWindowLayer,
+    cache_kwargs,
 )
 from turboquant_core.ops.codec import decode_ref  # noqa: E402
 from turboquant_core.quantizer import FP8Quantizer, MSEQuantizer  # noqa: E402
@@ -90,7 +93,7 @@ def _expected_bytes(model, cache, tokens, preset):
 def test_generate_stores_exact_compressed_bytes(model, preset):
     prompt_len, new = 9, 10
     cache = TurboQuantCache(model.config, preset=preset)
-    out = model.generate(_prompt(prompt_len), past_key_values=cache, max_new_tokens=new, do_sample=False)
+    out = model.generate(_prompt(prompt_len), **cache_kwargs(model, cache), max_new_tokens=new, do_sample=False)
     assert out.shape == (1, prompt_len + new)
     tokens = prompt_len + new - 1  # the last generated token is never fed back
     assert cache.get_seq_length() == tokens
@@ -107,10 +110,10 @@ def test_generate_stores_exact_compressed_bytes(model, preset):
 
 def _logit_error(model, ids, preset):
     with torch.no_grad():
-        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        ref = model(ids, **cache_kwargs(model, DynamicCache(config=model.config))).logits
         # Decode mode: every position attends to quantized K/V, its own included (the quantizer's full effect).
-        got = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
-                                                         fresh_full_precision=False)).logits
+        got = model(ids, **cache_kwargs(model, TurboQuantCache(model.config, preset=preset,
+                                                         fresh_full_precision=False))).logits
     return float((got - ref).norm() / ref.norm())
 
 
@@ -131,12 +134,12 @@ def test_incremental_decode_matches_one_forward(model):
     ids = _prompt(16, seed=2)
     preset = "turboquant_k3v4_nc"
     with torch.no_grad():
-        full = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
-                                                          fresh_full_precision=False)).logits
+        full = model(ids, **cache_kwargs(model, TurboQuantCache(model.config, preset=preset,
+                                                          fresh_full_precision=False))).logits
         cache = TurboQuantCache(model.config, preset=preset, fresh_full_precision=False)
-        step = [model(ids[:, :7], past_key_values=cache).logits]
+        step = [model(ids[:, :7], **cache_kwargs(model, cache)).logits]
         for t in range(7, ids.shape[1]):
-            step.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+            step.append(model(ids[:, t : t + 1], **cache_kwargs(model, cache)).logits)
     torch.testing.assert_close(torch.cat(step, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -183,7 +186,7 @@ def test_skip_layers_and_crop():
     cache = TurboQuantCache(m.config, preset="turboquant_4bit_nc", skip_layers=[-1])
     assert type(cache.layers[1]) is DynamicLayer and isinstance(cache.layers[0], TurboQuantLayer)
     with torch.no_grad():
-        m(_prompt(10), past_key_values=cache)
+        m(_prompt(10), **cache_kwargs(m, cache))
     fp_bytes = 10 * 1 * HEAD_DIM * 4 * 2
     assert cache.memory_breakdown() == {
         "compressed": 10 * get_format("turboquant_4bit_nc").bytes_per_token_per_head(HEAD_DIM),
@@ -199,12 +202,44 @@ def test_batched_generate_with_sliding_window():
     m = _gemma3().eval()
     ids = torch.cat([_prompt(8, seed=3), _prompt(8, seed=4)])
     cache = TurboQuantCache(m.config, preset="turboquant_3bit_nc")
-    out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(m, cache), max_new_tokens=6,
                      do_sample=False)
     assert out.shape == (2, 14)
     assert cache.stored_tokens() == [SLIDING_WINDOW - 1, SLIDING_WINDOW - 1, 13]
     assert cache.memory_bytes() == 2 * (2 * (SLIDING_WINDOW - 1) + 13) * get_format(
         "turboquant_3bit_nc").bytes_per_token_per_head(HEAD_DIM)
+
+
+def test_layer_kwargs_per_layer_from_either_transformers_api(monkeypatch):
+    # Up to transformers 5.17 get_layer_types_and_kwargs returns one kwargs dict for all layers; later releases
+    # return a list with one dict per layer. The installed release exercises one shape; this pins the other.
+    from turboquant_core.integrations import transformers_cache as tc
+
+    cfg = _gemma3().config
+    types, kwargs = tc.get_layer_types_and_kwargs(cfg)
+    shared = kwargs if isinstance(kwargs, dict) else kwargs[0]
+    per_layer = [dict(shared) if t == "sliding_attention" else {} for t in types]
+    for returned in (shared, per_layer):
+        monkeypatch.setattr(tc, "get_layer_types_and_kwargs", lambda _cfg, r=returned: (types, r))
+        cache = TurboQuantCache(cfg, preset="turboquant_4bit_nc")
+        assert [layer.is_sliding for layer in cache.layers] == [True, True, False]
+        assert [getattr(layer, "sliding_window", None) for layer in cache.layers[:2]] == [SLIDING_WINDOW] * 2
+    monkeypatch.setattr(tc, "get_layer_types_and_kwargs", lambda _cfg: (types, per_layer[:1]))
+    with pytest.raises(ValueError, match="1 layer kwargs for 3 layer types"):
+        TurboQuantCache(cfg)
+
+
+def test_cache_path_uses_no_deprecated_transformers_argument():
+    # cache_kwargs names the cache argument as the installed transformers wants it: generate and forward with
+    # a TurboQuantCache raise no FutureWarning (the newest release in CI deprecates names before removing them).
+    torch.manual_seed(0)
+    m = _gemma3().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = TurboQuantCache(m.config, preset="turboquant_k3v4_nc")
+        out = m.generate(_prompt(8), **cache_kwargs(m, cache), max_new_tokens=3, do_sample=False)
+        m(out[:, -1:], **cache_kwargs(m, cache))
+    assert cache.get_seq_length() == 8 + 3
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -238,8 +273,8 @@ def test_cuda_kernels_store_the_reference_bytes(preset):
     cpu_cache = TurboQuantCache(m.config, preset=preset)
     gpu_cache = TurboQuantCache(m.config, preset=preset)
     with torch.no_grad():
-        cpu_logits = m(ids, past_key_values=cpu_cache).logits
-        gpu_logits = m.cuda()(ids.cuda(), past_key_values=gpu_cache).logits.cpu()
+        cpu_logits = m(ids, **cache_kwargs(m, cpu_cache)).logits
+        gpu_logits = m.cuda()(ids.cuda(), **cache_kwargs(m, gpu_cache)).logits.cpu()
     assert gpu_cache.memory_bytes() == cpu_cache.memory_bytes()
     for c, g in zip(cpu_cache.layers, gpu_cache.layers):
         for name in ("key_codes", "value_codes"):
@@ -300,7 +335,7 @@ def test_fresh_full_precision_sliding_window_keeps_window_minus_one():
 
 def _chunked_logits(model, ids, cache, chunk):
     with torch.no_grad():
-        return torch.cat([model(ids[:, s : s + chunk], past_key_values=cache).logits
+        return torch.cat([model(ids[:, s : s + chunk], **cache_kwargs(model, cache)).logits
                           for s in range(0, ids.shape[1], chunk)], dim=1)
 
 
@@ -308,9 +343,9 @@ def test_chunked_prefill_with_fresh_full_precision(model):
     """Chunks attend to themselves in full precision: the first chunk is exact, later ones beat decode mode."""
     ids, chunk, preset = _prompt(20, seed=6), 7, "turboquant_2bit_nc"
     with torch.no_grad():
-        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-        decode = model(ids, past_key_values=TurboQuantCache(model.config, preset=preset,
-                                                            fresh_full_precision=False)).logits
+        ref = model(ids, **cache_kwargs(model, DynamicCache(config=model.config))).logits
+        decode = model(ids, **cache_kwargs(model, TurboQuantCache(model.config, preset=preset,
+                                                            fresh_full_precision=False))).logits
     cache = TurboQuantCache(model.config, preset=preset, fresh_full_precision=True)
     assert "fresh_full_precision=True" in repr(cache)
     got = _chunked_logits(model, ids, cache, chunk)
@@ -334,11 +369,11 @@ def test_default_prefill_is_full_precision_then_decode_reads_compressed(model):
     assert cache.fresh_full_precision
     with torch.no_grad():
         ref_cache = DynamicCache(config=model.config)
-        ref = model(ids[:, :17], past_key_values=ref_cache).logits
-        got = model(ids[:, :17], past_key_values=cache).logits
+        ref = model(ids[:, :17], **cache_kwargs(model, ref_cache)).logits
+        got = model(ids[:, :17], **cache_kwargs(model, cache)).logits
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        ref_next = model(ids[:, 17:], past_key_values=ref_cache).logits
-        got_next = model(ids[:, 17:], past_key_values=cache).logits
+        ref_next = model(ids[:, 17:], **cache_kwargs(model, ref_cache)).logits
+        got_next = model(ids[:, 17:], **cache_kwargs(model, cache)).logits
     assert float((got_next - ref_next).abs().max()) > 0  # compressed history
     for layer, stored in zip(cache.layers, cache.stored_tokens()):
         assert stored == (SLIDING_WINDOW - 1 if layer.is_sliding else 18)
@@ -409,7 +444,7 @@ def test_key_centering_in_the_cache_on_a_model(model):
     cache = TurboQuantCache(model.config, preset="turboquant_k3v4_nc", key_centering=cent)
     ids = _prompt(40)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
     for layer in cache.layers:
         if isinstance(layer, TurboQuantSlidingWindowLayer):
             assert layer.store.centering is None

@@ -11,6 +11,7 @@ _EXPORTS = {
     "TurboQuantLayer": "transformers_cache",
     "TurboQuantSlidingWindowLayer": "transformers_cache",
     "key_centering_for_model": "transformers_cache",
+    "cache_kwargs": "transformers_cache",
     "load_model": "models",
     "add_eval_ppl_arguments": "perplexity",
     "run_eval_ppl": "perplexity",

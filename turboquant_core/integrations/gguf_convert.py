@@ -11,19 +11,155 @@ BPE whose merges follow the SentencePiece scores (the same rule transformers' Se
 uses for .model files), with <bos> added as llama.cpp's ``add_bos_token`` says.
 
 The source file is only read; the destination appears complete or not at all (temporary sibling
-folder, then one rename).
+folder, then one rename). A truncated or foreign file is refused first, by its header alone
+(``check_gguf_file``): the error names the file and says which it is.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
+import struct
+import sys
 import tempfile
 from pathlib import Path
 
 # llama.cpp token types
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# GGUF metadata value types: struct codes of the fixed-size ones; 8 is a string, 9 an array.
+_SCALAR_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_GGUF_VERSIONS = (2, 3)  # what gguf.GGUFReader reads
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class GGUFFileError(ValueError):
+    """A GGUF file that cannot be loaded: truncated, or not a GGUF file at all. The message names the file."""
+
+
+class _HeaderEnds(Exception):
+    """The file ends inside its header."""
+
+
+class _BadHeader(Exception):
+    """The header is not GGUF (the message says why)."""
+
+
+class _Header:
+    """Sequential reads of a GGUF header from a memory map, each checked against the end of the file."""
+
+    def __init__(self, buf):
+        self.buf, self.pos, self.order, self.where = buf, 4, "<", "the version"
+
+    def take(self, code: str):
+        fmt, start = self.order + code, self.pos
+        self.skip(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise _HeaderEnds
+        self.pos += n
+
+    def string(self) -> str:
+        n = self.take("Q")
+        self.skip(n)
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int, key: str):
+        """Read one metadata value; strings and arrays are stepped over (None)."""
+        if kind in _SCALAR_CODES:
+            return self.take(_SCALAR_CODES[kind])
+        if kind == _STRING:
+            self.skip(self.take("Q"))
+            return None
+        if kind != _ARRAY:
+            raise _BadHeader(f"metadata key {key!r} has unknown value type {kind}")
+        item, count = self.take("I"), self.take("Q")
+        if item in _SCALAR_CODES:
+            self.skip(count * struct.calcsize(self.order + _SCALAR_CODES[item]))
+        else:
+            for _ in range(count):
+                self.value(item, key)
+        return None
+
+
+def _tensor_extents(h: _Header, size: int) -> list[tuple[int, int, str]]:
+    """(offset in the file, bytes, name) of every tensor the header at ``h`` declares."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    version = h.take("I")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order (the rule gguf.GGUFReader uses)
+        h.order, h.pos = ">", 4
+        version = h.take("I")
+    if version not in _GGUF_VERSIONS:
+        raise _BadHeader(f"GGUF version {version}; readable versions: {', '.join(map(str, _GGUF_VERSIONS))}")
+    h.where = "the tensor and metadata counts"
+    n_tensors, n_kv = h.take("Q"), h.take("Q")
+    if max(n_tensors, n_kv) > size:  # each entry takes bytes of the file: these are not counts
+        raise _BadHeader(f"it declares {n_tensors} tensors and {n_kv} metadata keys")
+    alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        h.where = f"metadata key {i + 1} of {n_kv}"
+        key = h.string()
+        h.where = f"metadata key {key!r}"
+        kind = h.take("I")
+        value = h.value(kind, key)
+        if key == "general.alignment" and kind == 4:
+            alignment = value
+    if alignment < 1 or alignment & (alignment - 1):
+        raise _BadHeader(f"general.alignment {alignment} is not a power of two")
+    tensors = []
+    for i in range(n_tensors):
+        h.where = f"tensor info {i + 1} of {n_tensors}"
+        name = h.string()
+        h.where = f"the info of tensor {name!r}"
+        n_dims = h.take("I")
+        if n_dims > _MAX_DIMS:
+            raise _BadHeader(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
+        elements = 1
+        for _ in range(n_dims):
+            elements *= h.take("Q")
+        kind, offset = h.take("I"), h.take("Q")
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise _BadHeader(f"tensor {name!r} has unknown type {kind}") from None
+        tensors.append((offset, elements // block * block_bytes, name))
+    data_start = -(-h.pos // alignment) * alignment  # tensor offsets count from the aligned end of the header
+    return [(data_start + offset, n, name) for offset, n, name in tensors]
+
+
+def check_gguf_file(path: str | os.PathLike) -> None:
+    """Raise ``GGUFFileError`` naming ``path`` if it is not a GGUF file, or if it is shorter than the header and
+    tensor data it declares (an interrupted download or copy). Reads the header only, not the tensor data, so a
+    bad file is refused up front instead of failing deep inside a loader (numpy's "cannot reshape array")."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 4:
+        raise GGUFFileError(f"{path} is not a valid GGUF file: it has {size} bytes, too few for a GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise GGUFFileError(f"{path} is not a valid GGUF file: it starts with {bytes(buf[:4])!r}, not b'GGUF'")
+        h = _Header(buf)
+        try:
+            tensors = _tensor_extents(h, size)
+        except _HeaderEnds:
+            raise GGUFFileError(f"{path} is truncated: the file ({size:,} bytes) ends inside its header, "
+                                f"in {h.where}") from None
+        except _BadHeader as e:
+            raise GGUFFileError(f"{path} is not a valid GGUF file: {e}") from None
+    short = sorted(t for t in tensors if t[0] + t[1] > size)
+    if short:
+        declared = max(start + n for start, n, _ in tensors)
+        raise GGUFFileError(
+            f"{path} is truncated: the file has {size:,} bytes, but its header declares tensor data up to byte "
+            f"{declared:,}; {len(short)} of {len(tensors)} tensors run past the end, starting with "
+            f"{short[0][2]!r} (an incomplete download or copy?)"
+        )
 
 
 def _field(reader, key, default=None):
@@ -107,10 +243,11 @@ def convert_gguf(src: str | os.PathLike, dest: str | os.PathLike, dtype: str = "
         raise FileExistsError(f"{dest} exists; pass overwrite=True (CLI: --overwrite) to replace it")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype must be one of bfloat16, float16, float32; got {dtype!r}")
+    check_gguf_file(src)  # truncated or foreign: refused here, naming the file, before anything is written
     try:
         reader = gguf.GGUFReader(str(src))
-    except Exception as e:  # a truncated or foreign file
-        raise ValueError(f"{src} is not a readable GGUF file: {e}") from e
+    except Exception as e:  # a corruption the header check does not see
+        raise GGUFFileError(f"{src} is not a valid GGUF file: {e}") from e
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -155,7 +292,7 @@ def main(argv=None) -> int:
     try:
         out = convert_gguf(args.src, args.dest, args.dtype, args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"saved {out}")
     return 0

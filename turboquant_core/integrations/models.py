@@ -148,25 +148,40 @@ def converted_gguf_folder(gguf: Path, folder_name: str | None = None) -> Path:
     return convert_gguf(gguf, dest, dtype="bfloat16", overwrite=True)
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` was meant as a file or folder rather than a model alias."""
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    return any(s in name for s in seps) or name.startswith((".", "~")) or name.lower().endswith(".gguf")
+
+
 def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     """(folder, gguf file name or None) for a model alias, a GGUF file or a Hugging Face folder."""
+    from .gguf_convert import check_gguf_file
+
     key = name_or_path.strip().lower()
     if key == "smollm2-135m-instruct":
         gguf = smollm2_gguf_path()
+        check_gguf_file(gguf)  # a damaged install: named and explained, not a numpy reshape error
         return gguf.parent, gguf.name
     if key == "gemma-3-270m":
         return converted_gguf_folder(gemma3_270m_gguf_path(), GEMMA3_GGUF.removesuffix(".gguf") + "-hf"), None
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    expected = f"one of {', '.join(MODEL_ALIASES)}, a local .gguf file, or a local Hugging Face model folder"
+    if not path.exists():
+        if _looks_like_path(name_or_path):
+            raise FileNotFoundError(f"model path {name_or_path!r} not found; expected {expected}")
+        raise ValueError(f"unknown model {name_or_path!r}: expected {expected} (with config.json)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {name_or_path!r} is not a .gguf file; expected {expected}")
+        check_gguf_file(path)
         if _gguf_needs_conversion(path):
             return converted_gguf_folder(path), None
         return path.parent, path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    raise ValueError(
-        f"unknown model {name_or_path!r}: expected one of {', '.join(MODEL_ALIASES)}, a local .gguf file, "
-        "or a local Hugging Face model folder (with config.json)"
-    )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {name_or_path!r} has no config.json, so it is not a Hugging Face model "
+                         f"folder; expected {expected}")
+    return path, None
 
 
 def check_model_config(config) -> None:

@@ -158,6 +158,7 @@ class CacheScore:
     # Whether keys were stored centred (key centering asked for and the preset's keys are MSE, not fp8).
     key_centered: bool = False
     bytes_per_token_per_head: int | None = None
+    head_dim: int | None = None  # the head_dim bytes_per_token_per_head is for
     compression_vs_bf16: float | None = None
     cache_bytes_per_window: int = 0
     nll_sum: float = 0.0
@@ -250,7 +251,7 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
-    from .transformers_cache import TurboQuantCache
+    from .transformers_cache import TurboQuantCache, cache_kwargs
 
     window = windows.shape[1]
     check_prefill_chunk(prefill_chunk, window)
@@ -269,7 +270,7 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
         ids = row.unsqueeze(0).to(device)
         targets = ids[0, first_row + 1 :]
         cache = DynamicCache(config=model.config)
-        base_logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, first_row:-1].float()
+        base_logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0, first_row:-1].float()
         base_logp = torch.log_softmax(base_logits, dim=-1)
         del base_logits
         baseline.cache_bytes_per_window = _kv_bytes(cache)
@@ -281,11 +282,11 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
                                     residual_tokens=residual_tokens, fresh_full_precision=prefill_chunk > 0,
                                     key_centering=key_centering)
             if prefill_chunk == 0:
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, :-1]
+                logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0, :-1]
             else:
                 # One forward per chunk through the same cache; the first chunk's rows are not scored.
                 logits = torch.cat([
-                    model(input_ids=ids[:, start : start + prefill_chunk], past_key_values=cache,
+                    model(input_ids=ids[:, start : start + prefill_chunk], **cache_kwargs(model, cache),
                           use_cache=True).logits[0]
                     for start in range(0, window, prefill_chunk)
                 ])[first_row:-1]
@@ -315,6 +316,7 @@ def evaluate_perplexity(model, windows: torch.Tensor, presets: list[str], *, ski
         if d_head is not None:
             f = get_format(score.name)
             score.bytes_per_token_per_head = f.bytes_per_token_per_head(d_head)
+            score.head_dim = d_head
             score.compression_vs_bf16 = round(f.compression_vs_bf16(d_head), 3)
     return baseline, scores
 
@@ -327,16 +329,24 @@ def _accumulate(score: CacheScore, logp: torch.Tensor, targets: torch.Tensor) ->
 
 
 def format_table(baseline: CacheScore, scores: list[CacheScore]) -> str:
-    head = (f"{'cache':<30} {'K':<20} {'V':<20} {'B/tok/head':>10} {'x bf16':>7} {'ppl':>9} {'d ppl %':>8} "
-            f"{'KL nats':>9} {'top-1':>7}")
-    lines = [head, "-" * len(head)]
-    lines.append(f"{baseline.name:<30} {baseline.key:<20} {baseline.value:<20} {'':>10} {'':>7} {baseline.ppl:>9.4f} "
-                 f"{'':>8} {'':>9} {'':>7}")
+    """The results as aligned text: every row, the header included, has the same column widths (wide enough for
+    the longest cell), text left-aligned and numbers right-aligned."""
+    dims = {s.head_dim for s in scores if s.head_dim is not None}
+    per_head = "bytes/token/head" + (f" (d={next(iter(dims))})" if len(dims) == 1 else "")
+    header = ["cache", "K", "V", per_head, "x bf16", "ppl", "d ppl %", "KL nats", "top-1"]
+    numeric = [False, False, False, True, True, True, True, True, True]
+    rows = [[baseline.name, baseline.key, baseline.value, "", "", f"{baseline.ppl:.4f}", "", "", ""]]
     for s in scores:
-        lines.append(f"{s.name:<30} {s.key:<20} {s.value:<20} {s.bytes_per_token_per_head or 0:>10d} "
-                     f"{s.compression_vs_bf16 or 0:>7.2f} {s.ppl:>9.4f} {s.delta_ppl_pct:>+8.2f} "
-                     f"{s.kl_per_token:>9.5f} {100 * s.top1_agreement:>6.2f}%")
-    return "\n".join(lines)
+        nbytes = "-" if s.bytes_per_token_per_head is None else str(s.bytes_per_token_per_head)
+        vs_bf16 = "-" if s.compression_vs_bf16 is None else f"{s.compression_vs_bf16:.2f}"
+        rows.append([s.name, s.key, s.value, nbytes, vs_bf16, f"{s.ppl:.4f}", f"{s.delta_ppl_pct:+.2f}",
+                     f"{s.kl_per_token:.5f}", f"{100 * s.top1_agreement:.2f}%"])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +384,7 @@ def add_eval_ppl_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="fold weight-derived key smoothing into the model first (data-free, logits unchanged; "
                              "see turboquant_core.integrations.key_smoothing)")
     parser.add_argument("--key-centering", action=argparse.BooleanOptionalAction, default=True,
-                        help="store keys as the patched vLLM does by default (TQ_KEY_CENTERING=1): the first 16 "
+                        help="store keys as the patched vLLM does by default (--tq-key-centering): the first 16 "
                              "tokens plain, later keys minus their page's share of the pre-RoPE key mean derived "
                              "from those (see turboquant_core.ops.key_centering); MSE-key presets of RoPE models "
                              "only, fp8-key presets store keys as they are (default: on; --no-key-centering: off)")

@@ -4,7 +4,7 @@
 Usage::
 
     cache = TurboQuantCache(model.config, preset="turboquant_k3v4_nc")
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, **cache_kwargs(model, cache))
     cache.memory_bytes()  # bytes actually held
 
 Design (transformers 5 builds caches from per-layer objects, see ``transformers/cache_utils.py``):
@@ -42,6 +42,7 @@ with it added; ``key_centering_for_model(model)`` builds the tables from the mod
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -483,9 +484,9 @@ class TurboQuantCache(Cache):
             text_config = config.get_text_config(decoder=True)
             self.head_dim = config_head_dim(text_config)
             check_cache_head_dim(self.head_dim, preset)
-            layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+            layer_types, layer_kwargs = _layer_types_and_kwargs(text_config)
             self.skip_layers = _normalize_layer_indices(skip, len(layer_types))
-            layers = [self._make_layer(i, t, layer_kwargs) for i, t in enumerate(layer_types)]
+            layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))]
         else:
             if any(i < 0 for i in skip):
                 raise ValueError("negative skip_layers need the model config (to know the number of layers)")
@@ -549,6 +550,19 @@ class TurboQuantCache(Cache):
                 f"fresh_full_precision={self.fresh_full_precision})")
 
 
+def _layer_types_and_kwargs(text_config) -> tuple[list[str], list[dict]]:
+    """transformers' layer types with one kwargs dict per layer. Up to 5.17 ``get_layer_types_and_kwargs``
+    returns one dict shared by every layer; later releases return a list with a dict per layer."""
+    layer_types, kwargs = get_layer_types_and_kwargs(text_config)
+    layer_types = list(layer_types)
+    if isinstance(kwargs, dict):
+        return layer_types, [kwargs] * len(layer_types)
+    kwargs = list(kwargs)
+    if len(kwargs) != len(layer_types):
+        raise ValueError(f"transformers returned {len(kwargs)} layer kwargs for {len(layer_types)} layer types")
+    return layer_types, kwargs
+
+
 def _normalize_layer_indices(indices: list[int], num_layers: int) -> frozenset[int]:
     out = set()
     for i in indices:
@@ -557,6 +571,15 @@ def _normalize_layer_indices(indices: list[int], num_layers: int) -> frozenset[i
             raise ValueError(f"skip_layers index {i} is out of range for a model with {num_layers} layers")
         out.add(j)
     return frozenset(out)
+
+
+def cache_kwargs(model, cache: Cache) -> dict[str, Cache]:
+    """``{name: cache}`` for ``model(...)`` and ``model.generate(...)``, under the name the installed transformers
+    takes: ``cache`` where the model's forward has that parameter (newer 5.x releases, which deprecate the old
+    name), else ``past_key_values``."""
+    forward = getattr(model, "forward", None)
+    params = inspect.signature(forward).parameters if forward is not None else {}
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def key_centering_for_model(model, page: int = 16) -> KeyCentering:
