@@ -74,12 +74,13 @@ def _generate(config: dict) -> dict:
               max_model_len=config.get("max_model_len", 8192), enforce_eager=config.get("enforce_eager", False),
               enable_prefix_caching=config.get("prefix_caching", True),
               max_num_batched_tokens=config.get("max_num_batched_tokens"), gpu_memory_utilization=0.12, seed=0,
-              kv_cache_memory_bytes=2 << 30, disable_log_stats=False, **extra)
+              kv_cache_memory_bytes=2 << 30, disable_log_stats=False, **config.get("engine_kwargs", {}), **extra)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs = llm.generate(prompts, params)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
               "texts": [o.outputs[0].text for o in outputs], "keys": keys,
-              "num_gpu_blocks_override": extra.get("num_gpu_blocks_override")}
+              "num_gpu_blocks_override": extra.get("num_gpu_blocks_override"),
+              "turboquant": str(llm.llm_engine.vllm_config.cache_config.turboquant)}
     if config.get("repeat"):  # second pass: every prompt is now a prefix-cache hit
         again = llm.generate(prompts, params)
         result["tokens_again"] = [list(o.outputs[0].token_ids) for o in again]
@@ -179,6 +180,17 @@ def test_preemption_and_recompute(tmp_path, dtype):
             assert key in got, (key, got)
     for toks in tight["tokens"]:
         assert len(set(toks)) > 2, f"degenerate output {toks}"
+
+
+def test_tq_options_reach_the_engine(tmp_path):
+    """--tq-* options as vllm.LLM keyword arguments land in the engine's CacheConfig.turboquant; with key centering
+    and smoothing off the model still answers."""
+    got = run_config(tmp_path, model=_model(), kv_cache_dtype="turboquant_k3v4_nc", num_filler=20, max_tokens=8,
+                     enforce_eager=True, engine_kwargs=dict(tq_key_centering=False, tq_key_smoothing="off",
+                                                            tq_attention_workspace_mb=16))
+    assert got["turboquant"] == ("TQConfig(key_centering=False, key_smoothing='off', boundary_layers=0, "
+                                 "attention_workspace_mb=16)")
+    assert "Paris" in got["texts"][0], got["texts"][0]
 
 
 def test_sliding_window_model(tmp_path):
