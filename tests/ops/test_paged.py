@@ -331,6 +331,32 @@ def test_plan_is_reused_across_layers(device):
         torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
 
 
+def test_plan_uses_the_workspace_it_is_given(device):
+    """Plans given one workspace (vLLM's builder shares one among its plans) use that very tensor for the
+    split partials and cap their split count by its size, as a plan allocating that many bytes does."""
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v2_nc", 64, 2, 2, [17, 100], [1, 1], device, seed=3)
+    hq, d = q.shape[1], q.shape[2]
+    per_split = 2 * hq * (d + 1)  # floats of one split's partial out + lse for num_tokens=2
+    workspace = torch.zeros(3 * per_split + 5, dtype=torch.float32, device=device)  # room for 3 splits
+    plans = [TQAttentionPlan(lay, hq, 2, device, workspace=workspace) for _ in range(2)]
+    own = TQAttentionPlan(lay, hq, 2, device, workspace_bytes=4 * workspace.numel())
+    for plan in (*plans, own):
+        assert plan.workspace.numel() == workspace.numel()
+        plan.plan(bt, qsl, sl, num_tokens=2, max_query_len=1, max_seq_len=100, num_splits=8)
+        assert plan.num_splits == 3
+    assert all(p.workspace.data_ptr() == workspace.data_ptr() for p in plans)
+    assert own.workspace.data_ptr() != workspace.data_ptr()
+    out = plans[0].run(q, cache)
+    assert workspace[: 3 * 2 * hq * d].abs().sum() > 0  # the split partials went into the given tensor
+    ref_out, _ = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
+    small = TQAttentionPlan(lay, hq, 2, device, workspace=workspace[: per_split - 1])
+    assert small.plan(bt, qsl, sl, num_tokens=2, max_query_len=1, max_seq_len=100, num_splits=8).num_splits == 1
+    for bad in (workspace.double(), workspace[::2], workspace.view(-1, 1), workspace[:0]):
+        with pytest.raises(ValueError, match="workspace"):
+            TQAttentionPlan(lay, hq, 2, device, workspace=bad)
+
+
 def test_merge_attn_states_equals_attention_over_the_union(device):
     """Context part (paged kernel, non-causal over the cached prefix) merged with the fresh part
     (attention of the chunk over its own tokens) equals causal attention over everything."""

@@ -14,7 +14,7 @@ Math (TurboQuant identity x_hat = R^T (scale * c[idx])):
           computed once per program at the end (linear, so split partials can be merged afterwards).
 
 Kernel coordinate order: the tiles of ``codebook_lookup_jit`` (position g*8 + r holds field bitrev3(r) of
-packed group g); the rotation rows given to this kernel are permuted to that order (``ops.paged``, zero rows
+packed group g); the rotation rows given to this kernel are permuted to that order (``ops.page_layout``, zero rows
 for padded groups), so the rotated query lines up with the tile. fp8 keys use the natural coordinate order.
 
 Tiles are dequantized in registers to fp16 (codebook values < 3, fp8 values < 448: both exact or

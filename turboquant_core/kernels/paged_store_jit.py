@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fused rotate + quantize + pack of new K/V tokens straight into paged TurboQuant pages (jit only).
 
-Page layout (see ``turboquant_core.ops.paged``): one region of ``PAGE`` tokens per (block, kv head),
+Page layout (see ``turboquant_core.ops.page_layout``): one region of ``PAGE`` tokens per (block, kv head),
 structure of arrays: K index rows | V index rows | K fp16 scales | V fp16 scales. The kernels get the
 cache twice, as bytes (``CACHE``) and as an fp16 view of the same memory (``CACHE16``) for the scales.
 

@@ -3,9 +3,9 @@
 
 ``AttentionBackendEnum.TURBOQUANT`` points here (patch 0003 of ``vllm_patches/v0.26.0``). The cache of one layer is a
 uint8 tensor ``[num_blocks, num_kv_heads, head_page_bytes]`` whose byte layout (K indices, V indices, K scales,
-V scales per block and KV head) is ``turboquant_core.ops.paged.PagedTQLayout``; every ``turboquant_*`` cache dtype is
-a row of ``turboquant_core.formats.KV_FORMATS``. This module is glue: kernels, layouts and format math live in
-``turboquant_core.ops``.
+V scales per block and KV head) is ``turboquant_core.ops.page_layout.PagedTQLayout``; every ``turboquant_*`` cache
+dtype is a row of ``turboquant_core.formats.KV_FORMATS``. This module is glue: kernels, layouts and format math live
+in ``turboquant_core.ops``.
 
 One step:
 - ``do_kv_cache_update`` (before ``forward``): ``tq_store`` rotates, quantizes and packs the step's K/V into their
@@ -52,16 +52,16 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..config import TQConfig
 from ..formats import KV_FORMATS, get_format
+from ..ops.kernel_warmup import warmup_kernels
 from ..ops.key_centering import KeyCentering
-from ..ops.paged import (
+from ..ops.kv_store import tq_store
+from ..ops.page_layout import (
     ATTENTION_HEAD_DIMS,
     PagedTQLayout,
-    TQAttentionPlan,
     kv_cache_shape,
     paged_layout,
-    tq_store,
-    warmup_kernels,
 )
+from ..ops.paged_attention import TQAttentionPlan
 
 if is_flash_attn_varlen_func_available():
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -271,15 +271,13 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         return variants
 
     def _new_plan(self, num_heads: int) -> TQAttentionPlan:
-        plan = TQAttentionPlan(
+        return TQAttentionPlan(
             self.layout,
             num_heads,
             self.kv_cache_spec.num_kv_heads,
             self.device,
-            workspace_bytes=4,
+            workspace=self.workspace,
         )
-        plan.workspace = self.workspace
-        return plan
 
     def warmup_kernels(
         self,
@@ -288,7 +286,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         centering: KeyCentering | None = None,
     ) -> int:
         """Compile every kernel variant of every layer variant before serving (see
-        turboquant_core.ops.paged.warmup_kernels); writes only the null block 0."""
+        turboquant_core.ops.kernel_warmup.warmup_kernels); writes only the null block 0."""
         per_token = self.layout.fmt.bytes_per_token_per_head(self.layout.head_dim)
         layout = paged_layout(
             self.layout.fmt, self.layout.head_dim, kv_cache.shape[-1] // per_token

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start-up compilation of the paged TurboQuant kernels: ``warmup_kernels`` launches once every variant
+of the store (``ops.kv_store``) and of attention (``ops.paged_attention``) that a serving engine reaches."""
+
+from __future__ import annotations
+
+import torch
+
+from .key_centering import KeyCentering
+from .kv_store import new_center_sums, tq_store
+from .page_layout import PagedTQLayout
+from .paged_attention import TQAttentionConfig, TQAttentionPlan
+
+
+def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
+                   dtype: torch.dtype = torch.bfloat16, sliding_window: int | None = None,
+                   softmax_scale: float | None = None, paths: tuple[str, ...] = ("decode", "context"),
+                   block_id: int = 0, config: TQAttentionConfig | None = None,
+                   centering: KeyCentering | None = None) -> list[dict]:
+    """Launch every kernel variant a serving engine reaches once, so Triton compiles them at start-up
+    and not inside the first requests. Returns the launches made (their plan parameters).
+
+    Variants follow from ``TQAttentionPlan.plan``: the store; for "decode" (one query per request,
+    causal, no lse) split and unsplit; for "context" (queries after cached context, with lse: chunked
+    prefill, prefix hits) every (query block size, one-block) shape the query length can select,
+    split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
+    run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
+    its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
+    the centred variants (the store's two passes and its single pass for single-token batches, both sums
+    launches, centred attention) are compiled instead."""
+    dev = cache.device
+    d, bs = layout.head_dim, layout.block_size
+    if not 0 <= block_id < cache.shape[0]:
+        raise ValueError(f"block_id {block_id} outside the cache's {cache.shape[0]} blocks")
+    zeros = torch.zeros(bs, num_kv_heads, d, dtype=dtype, device=dev)
+    block_table = torch.full((1, 1), block_id, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), bs, dtype=torch.int32, device=dev)
+    sums = None
+    if centering is not None:
+        sums = new_center_sums(1, num_kv_heads, centering, dev)
+        tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout, centering=centering,
+                 query_start_loc=torch.tensor([0, bs], dtype=torch.int32, device=dev), seq_lens=seq_lens,
+                 block_table=block_table, center_sums=sums)
+        # decode-only batches: sums first, then K and V in one pass (the block's last slot again)
+        tq_store(zeros[:1], zeros[:1], cache, torch.full((1,), (block_id + 1) * bs - 1, device=dev), layout,
+                 centering=centering, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                 seq_lens=seq_lens, block_table=block_table, center_sums=sums, single_token_requests=True)
+    else:
+        tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
+    launches = [dict(kernel="store")]
+    plan = TQAttentionPlan(layout, num_q_heads, num_kv_heads, dev, workspace_bytes=2 * (d + 1) * 4 * num_q_heads * 160,
+                           config=config)
+    shapes: dict[tuple[int, bool], int] = {}
+    if "context" in paths:
+        # The first query length of every (block_m, one_qblock) the planner can choose.
+        scan_qsl = seq_lens.new_tensor([0, 1])  # contents are not read while planning
+        for qlen in range(1, 2 * 128 + 2):
+            plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
+                      causal=False)
+            shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
+    runs = [("decode", 1, True)] if "decode" in paths else []
+    runs += [("context", qlen, False) for qlen in sorted(shapes.values())]
+    for path, qlen, causal in runs:
+        q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
+        for splits in (1, 2):
+            plan.plan(block_table, seq_lens.new_tensor([0, qlen]), seq_lens, num_tokens=qlen, max_query_len=qlen,
+                      max_seq_len=bs, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                      num_splits=splits)
+            plan.run(q, cache, return_lse=not causal, centering=centering, center_sums=sums)
+            launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
+                                 num_splits=plan.num_splits))
+    return launches
+
+
+__all__ = ["warmup_kernels"]
