@@ -5,10 +5,14 @@
 Each configuration runs in its own subprocess (GPU memory is freed between them) with its own
 PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
 
-    python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b \
-        --configs bf16=patched:auto,fp8=patched:fp8,stock-k3v4=stock:turboquant_k3v4_nc,\
-ours-k3v4=patched:turboquant_k3v4_nc \
-        --pythonpath-stock DIR --pythonpath-patched DIR --scenarios 1024x256x64,8192x256x32 --out results.json
+    python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b --scenarios S1 \
+        --configs bf16,fp8,stock-k3v4,ours-k3v4 --pythonpath-stock DIR --pythonpath-patched DIR --out s1.json
+    python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b --scenarios sweep --max-num-seqs 512 ...
+    python scripts/bench_throughput.py --model benchmarks/configs/llama-3.1-8b --scenarios S3 ...
+
+Configs are NAME=stock|patched:KV_CACHE_DTYPE or a name (bf16, fp8, ours-<preset>, stock-<preset>); scenarios
+INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of several batch sizes at one shape also draws
+``<out>-sweep.png``: output tok/s against requests, one line per config.
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
 serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
@@ -27,22 +31,64 @@ import sys
 import time
 from pathlib import Path
 
+# Scenarios by the names the throughput issue and the README use; S3 is meant for a Llama-3.1-8B shape
+# (benchmarks/configs/llama-3.1-8b), the others for Qwen3-8B (benchmarks/configs/qwen3-8b).
+NAMED_SCENARIOS = {
+    "S1": "1024x256x64",
+    "S2": "2048x512x384",  # memory-bound: run with --max-num-seqs 512
+    "S3": "32768x128x8",
+    "sweep": "2048x512x32,2048x512x64,2048x512x128,2048x512x256,2048x512x384,2048x512x512",
+}
+# Baselines by name; TurboQuant configs are named ours-<preset> / stock-<preset> (see config_names()).
+BASELINE_CONFIGS = {"bf16": ("patched", "auto"), "fp8": ("patched", "fp8")}
+DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
+
 
 def parse_scenarios(text: str) -> list[tuple[int, int, int]]:
     out = []
     for item in text.split(","):
-        try:
-            i, o, b = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"bad scenario {item!r}; expected INxOUTxBATCH, e.g. 1024x256x64") from None
-        out.append((i, o, b))
+        for one in NAMED_SCENARIOS.get(item.strip(), item).split(","):
+            try:
+                i, o, b = (int(v) for v in one.lower().split("x"))
+            except ValueError:
+                raise SystemExit(f"bad scenario {one!r}; expected INxOUTxBATCH (e.g. 1024x256x64) or one of "
+                                 f"{', '.join(NAMED_SCENARIOS)}") from None
+            out.append((i, o, b))
     return out
+
+
+def _short(preset: str) -> str:
+    """turboquant_k3v4_nc -> k3v4, turboquant_4bit_nc -> 4bit."""
+    return preset.removeprefix("turboquant_").removesuffix("_nc")
+
+
+def config_names() -> dict[str, tuple[str, str]]:
+    """Every config name a bare --configs entry may use: bf16, fp8, ours-<preset> for each preset of the format
+    table and stock-<preset> for those stock vLLM also has."""
+    try:
+        from turboquant_core.formats import KV_FORMATS
+    except ImportError:  # the script also runs where only vLLM is importable
+        KV_FORMATS = {}
+    names = dict(BASELINE_CONFIGS)
+    for preset, fmt in KV_FORMATS.items():
+        names[f"ours-{_short(preset)}"] = ("patched", preset)
+        if fmt.origin == "stock":
+            names[f"stock-{_short(preset)}"] = ("stock", preset)
+    return names
 
 
 def parse_configs(text: str) -> list[tuple[str, str, str]]:
     out = []
+    named = None
     for item in text.split(","):
-        name, _, rest = item.partition("=")
+        name, eq, rest = item.strip().partition("=")
+        if not eq:
+            named = named if named is not None else config_names()
+            if name not in named:
+                raise SystemExit(f"unknown config {name!r}; expected NAME=stock|patched:KV_CACHE_DTYPE or one of "
+                                 f"{', '.join(named)}")
+            out.append((name, *named[name]))
+            continue
         install, _, dtype = rest.partition(":")
         if not (name and install in ("stock", "patched") and dtype):
             raise SystemExit(f"bad config {item!r}; expected NAME=stock|patched:KV_CACHE_DTYPE")
@@ -60,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     max_len = max(i + o for i, o, _ in scenarios) + 16
     kwargs = dict(
         model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=max_len, max_num_seqs=max(b for _, _, b in scenarios),
+        max_model_len=max_len, max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
         enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -104,7 +150,8 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict
     env.setdefault("HF_HUB_OFFLINE", "1")
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
+           "--max-num-seqs", str(args.max_num_seqs)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}", flush=True)
@@ -191,11 +238,56 @@ def plot(rows: list[dict], baseline: str, path: Path) -> bool:
     return True
 
 
+def sweep_series(rows: list[dict]) -> tuple[tuple[int, int] | None, dict[str, list[tuple[int, float]]]]:
+    """The most common (input, output) lengths and, per config, (requests, output tok/s) of its scenarios with
+    them (a concurrency sweep); configs with fewer than three such scenarios are left out."""
+    from collections import Counter
+
+    shapes = Counter((s["input_len"], s["output_len"]) for r in rows if "scenarios" in r for s in r["scenarios"])
+    if not shapes:
+        return None, {}
+    shape, _ = shapes.most_common(1)[0]
+    series = {r["name"]: sorted((s["batch"], s["output_tok_per_s"]) for s in r.get("scenarios", [])
+                                if (s["input_len"], s["output_len"]) == shape) for r in rows}
+    return shape, {k: v for k, v in series.items() if len(v) >= 3}
+
+
+def plot_sweep(rows: list[dict], path: Path) -> bool:
+    """Output tok/s against the number of requests, one line per config: where each dtype starts to win."""
+    shape, series = sweep_series(rows)
+    if not series:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in series.items():
+        ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=name)
+    ax.set_xlabel("requests")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"{shape[0]} in / {shape[1]} out")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
-    ap.add_argument("--configs", default="bf16=patched:auto,fp8=patched:fp8,ours-k3v4=patched:turboquant_k3v4_nc")
-    ap.add_argument("--scenarios", default="1024x256x64,8192x256x32")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma list of NAME=stock|patched:KV_CACHE_DTYPE or names: bf16, fp8, ours-<preset> "
+                         "(every preset, e.g. ours-k3v4, ours-4bit), stock-<preset> (stock's presets)")
+    ap.add_argument("--scenarios", default="1024x256x64,8192x256x32",
+                    help="comma list of INxOUTxBATCH or names: "
+                         + ", ".join(f"{k}={v}" for k, v in NAMED_SCENARIOS.items()))
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's max_num_seqs (0: the largest batch)")
     ap.add_argument("--baseline", default="bf16", help="config name the ratios are taken against")
     ap.add_argument("--pythonpath-stock", default="")
     ap.add_argument("--pythonpath-patched", default="")
@@ -219,6 +311,7 @@ def main(argv=None) -> int:
         rows = json.loads(src.read_text())["results"]
         src.with_suffix(".md").write_text(summarize(rows, args.baseline) + "\n")
         plot(rows, args.baseline, src.with_suffix(".png"))
+        plot_sweep(rows, src.with_name(src.stem + "-sweep.png"))
         print(summarize(rows, args.baseline))
         return 0
     parse_scenarios(args.scenarios)
@@ -241,6 +334,7 @@ def main(argv=None) -> int:
     table = summarize(rows, args.baseline)
     out.with_suffix(".md").write_text(table + "\n")
     plot(rows, args.baseline, out.with_suffix(".png"))
+    plot_sweep(rows, out.with_name(out.stem + "-sweep.png"))
     print(table)
     return 0
 
