@@ -7,15 +7,12 @@ defaults in ``turboquant_core.ops.codec`` can be chosen from measurements.
 
     python benchmarks/sweep_codec_launch.py --vectors 1000000 --dim 128 --bits 3,4 --out sweep.json
 
-``--encoders products,butterfly,packing_order`` times the encoders (``ops.codec.ENCODERS``: rotation products per
-packing slot, the in-register Walsh-Hadamard transform of d = 64, which runs only launches with a row per thread,
-and one product per tile in packing order, fp16 / bf16 rows of one segment) against the products' bytes; an
-encoder that does not serve a format is skipped; ``differing_index_bytes`` counts coordinates that fell on the
-other side of a boundary. ``--searches polynomial,paired,fp32`` times the packing-order encoder's codebook search
-as the default (the 4-bit index polynomial, ``ops.codec.PACKING_ORDER_POLYNOMIAL_BITS``, elsewhere packed fp16
-compares), as packed fp16 compares only (``ops.codec.PACKING_ORDER_PAIRED_BITS``) and as fp32 compares; ``--stages`` and
-``--programs-per-sm`` vary its tiles in flight and persistent programs (``ops.codec.PACKING_ORDER_STAGES``,
-``PACKING_ORDER_PROGRAMS_PER_SM``).
+Each format runs the encoder the codec picks for bf16 rows (``ops.codec.choose_encoder``); its bytes are
+compared with the default launch's. ``--searches polynomial,paired,fp32`` times the packing-order encoder's
+codebook search as the default (the 4-bit index polynomial, ``ops.codec.PACKING_ORDER_POLYNOMIAL_BITS``,
+elsewhere packed fp16 compares), as packed fp16 compares only (``ops.codec.PACKING_ORDER_PAIRED_BITS``) and as
+fp32 compares; ``--stages`` and ``--programs-per-sm`` vary its tiles in flight and persistent programs
+(``ops.codec.PACKING_ORDER_STAGES``, ``PACKING_ORDER_PROGRAMS_PER_SM``).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ SEARCHES = {"polynomial": (codec_ops.PACKING_ORDER_PAIRED_BITS, codec_ops.PACKIN
 DEFAULT_PIPELINE = (codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM)
 
 
-def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int], encoders: list[str],
+def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int],
           searches: tuple[str, ...] = ("polynomial",), stages: tuple[int, ...] = (codec_ops.PACKING_ORDER_STAGES,),
           programs: tuple[int, ...] = (codec_ops.PACKING_ORDER_PROGRAMS_PER_SM,)) -> dict:
     dev = torch.device("cuda")
@@ -52,17 +49,11 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
     x = torch.randn(n, dim, generator=torch.Generator(device=dev).manual_seed(0), device=dev).to(torch.bfloat16)
     out = []
     for b in bits:
-        ref_packed, ref_scale = encode(x, b, 0, encoder="products")
+        ref_packed, ref_scale = encode(x, b, 0)
         ref_dec = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16)
         moved = n * dim * BF16_BYTES + n * (index_bytes(dim, b) + SCALE_BYTES)
-        for enc_name, bn, nw, search, st, per_sm in itertools.product(encoders, rows, warps, searches, stages,
-                                                                       programs):
-            try:
-                kind = choose_encoder(codec_tables(dim, b, 0, str(dev)), x.dtype, enc_name)
-            except ValueError:
-                continue  # does not serve this format
-            if kind == "butterfly" and bn != 32 * nw:  # the in-register transform holds a row per thread
-                continue
+        kind = choose_encoder(codec_tables(dim, b, 0, str(dev)), x.dtype)
+        for bn, nw, search, st, per_sm in itertools.product(rows, warps, searches, stages, programs):
             if kind != "packing_order" and (search, st, per_sm) != (searches[0], stages[0], programs[0]):
                 continue  # the search and pipeline variants are the packing-order encoder's
             row = {"bits": b, "dim": dim, "vectors": n, "encoder": kind, "block_rows": bn, "num_warps": nw}
@@ -71,16 +62,16 @@ def sweep(n: int, dim: int, bits: list[float], rows: list[int], warps: list[int]
             codec_ops.PACKING_ORDER_PAIRED_BITS, codec_ops.PACKING_ORDER_POLYNOMIAL_BITS = SEARCHES[search]
             codec_ops.PACKING_ORDER_STAGES, codec_ops.PACKING_ORDER_PROGRAMS_PER_SM = st, per_sm
             try:
-                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw, encoder=kind)
+                p, s = encode(x, b, 0, block_rows=bn, num_warps=nw)
                 d = decode(ref_packed, ref_scale, dim, b, 0, torch.bfloat16, block_rows=bn, num_warps=nw)
                 row["same_bytes"] = bool(torch.equal(p, ref_packed) and torch.equal(s, ref_scale))
-                # the two rotations sum in other orders: coordinates at a decision boundary may differ
+                # searches sum in other orders: coordinates at a decision boundary may differ
                 row["differing_index_bytes"] = int((p != ref_packed).sum())
                 row["max_scale_rel_diff"] = float(((s.float() - ref_scale.float()).abs() /
                                                    ref_scale.float().clamp_min(1e-30)).max())
                 row["same_decode"] = bool(torch.equal(d, ref_dec))
                 launch = {"block_rows": bn, "num_warps": nw}
-                enc = _ms(lambda b=b, launch=launch, kind=kind: encode(x, b, 0, encoder=kind, **launch))
+                enc = _ms(lambda b=b, launch=launch: encode(x, b, 0, **launch))
                 dec = _ms(lambda b=b, p=ref_packed, s=ref_scale, launch=launch: decode(p, s, dim, b, 0, torch.bfloat16,
                                                                                       **launch))
                 for op, ms in (("encode", enc), ("decode", dec)):
@@ -104,8 +95,6 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--rows", default="16,32,64,128")
     ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument("--encoders", default="products,butterfly,packing_order",
-                    help="comma-separated ops.codec.ENCODERS (those that do not serve a format are skipped)")
     ap.add_argument("--searches", default="polynomial",
                     help="the packing-order encoder's codebook search: comma-separated of " + ", ".join(SEARCHES))
     ap.add_argument("--stages", default=str(codec_ops.PACKING_ORDER_STAGES),
@@ -120,7 +109,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("sweep_codec_launch.py times the Triton kernels and needs a CUDA device")
     res = sweep(a.vectors, a.dim, parse_bits(a.bits), [int(v) for v in a.rows.split(",")],
-                [int(v) for v in a.warps.split(",")], [v.strip() for v in a.encoders.split(",")], searches,
+                [int(v) for v in a.warps.split(",")], searches,
                 tuple(int(v) for v in a.stages.split(",")), tuple(int(v) for v in a.programs_per_sm.split(",")))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -1,17 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
+import dataclasses
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+import turboquant_core
 from turboquant_core.formats import (
     BF16_BYTES,
     KV_FORMATS,
+    NORM_BYTES,
     RETIRED_FORMATS,
+    CodebookComponent,
     ComponentFormat,
+    Fp8Component,
     KVFormat,
     format_names,
     get_format,
 )
-from turboquant_core.packing import PACKING_LAYOUT
+from turboquant_core.packing import PACKING_LAYOUT, packed_bytes
 from turboquant_core.quantizer import FP8Quantizer, MSEQuantizer
 from turboquant_core.rotation import SUPPORTED_HEAD_DIMS
 
@@ -66,7 +74,7 @@ def test_stock_names_present_with_stock_origin():
 
 def test_stock_bit_meaning():
     assert get_format("turboquant_k3v4_nc").key.bits == 3 and get_format("turboquant_k3v4_nc").value.bits == 4
-    assert get_format("turboquant_k8v4").key.kind == "fp8" and get_format("turboquant_k8v4").value.bits == 4
+    assert get_format("turboquant_k8v4").key == Fp8Component() and get_format("turboquant_k8v4").value.bits == 4
     assert all(f.key.norm_correction and f.value.norm_correction for n, f in KV_FORMATS.items() if n.endswith("_nc"))
 
 
@@ -88,7 +96,7 @@ def test_bytes_positive_below_bf16_and_consistent(dim):
         assert f.compression_vs_bf16(dim) == pytest.approx(4 * dim / n)
         assert f.compression_vs_bf16(dim) > 1
         for comp in (f.key, f.value):
-            if comp.kind == "mse":
+            if comp.has_codebook:
                 assert comp.index_bytes(dim) == dim * comp.bits / 8  # exact: no padding in planar8
                 assert comp.scale_bytes() == 2
             else:
@@ -113,11 +121,77 @@ def test_quantizers_follow_the_format():
 
 
 def test_describe_and_segments():
-    assert ComponentFormat("mse", 3.5).describe() == "3.5-bit Lloyd-Max +nc"
-    assert ComponentFormat("fp8", 8, False).describe() == "fp8 e4m3 (rotated)"
-    assert ComponentFormat("mse", 2.5).segments(64) == ((32, 3), (32, 2))
+    assert CodebookComponent(3.5).describe() == "3.5-bit Lloyd-Max +nc"
+    assert CodebookComponent(3, norm_correction=False).describe() == "3-bit Lloyd-Max"
+    assert Fp8Component().describe() == "fp8 e4m3 (rotated)"
+    assert CodebookComponent(2.5).segments(64) == ((32, 3), (32, 2))
     with pytest.raises(ValueError, match="no codebook segments"):
-        ComponentFormat("fp8", 8, False).segments(64)
+        Fp8Component().segments(64)
+
+
+@pytest.mark.parametrize("dim", SUPPORTED_HEAD_DIMS)
+def test_fp8_component_row(dim):
+    c = Fp8Component()
+    assert (c.kind, c.bits, c.norm_correction) == ("fp8", 8, False)
+    assert c.is_fp8 and not c.has_codebook and not c.stores_scale and not c.centerable
+    assert c.kernel_bits == 4  # the paged kernels borrow a single-segment 4-bit codec's rotation rows
+    assert c.index_bytes(dim) == dim and c.scale_bytes() == 0
+    assert c.bytes_per_vector(dim) == dim and c.bits_per_coordinate(dim) == 8.0
+    with pytest.raises(ValueError, match="no codebook segments"):
+        c.segments(dim)
+    q = c.quantizer(dim, 5)
+    assert isinstance(q, FP8Quantizer)
+    assert q.dequantize(q.quantize(torch.randn(2, dim))).shape == (2, dim)
+
+
+@pytest.mark.parametrize("dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("bits", [2, 2.5, 3, 3.5, 4])
+def test_codebook_component_row(dim, bits):
+    c = CodebookComponent(bits)
+    assert (c.kind, c.bits, c.norm_correction) == ("mse", bits, True)
+    assert c.has_codebook and c.stores_scale and c.centerable and not c.is_fp8
+    assert c.kernel_bits == bits
+    segs = c.segments(dim)
+    assert sum(n for n, _ in segs) == dim and len(segs) == (1 if bits == int(bits) else 2)
+    assert c.index_bytes(dim) == sum(packed_bytes(n, b) for n, b in segs) == dim * bits / 8
+    assert c.scale_bytes() == NORM_BYTES == 2
+    assert c.bytes_per_vector(dim) == dim * bits / 8 + 2
+    assert c.bits_per_coordinate(dim) == pytest.approx(bits + 16 / dim)
+    q = c.quantizer(dim, 5)
+    assert isinstance(q, MSEQuantizer) and (q.bits, q.norm_correction, q.seed) == (bits, True, 5)
+    assert not CodebookComponent(bits, norm_correction=False).quantizer(dim, 5).norm_correction
+
+
+def test_components_are_frozen_values():
+    with pytest.raises(TypeError):
+        ComponentFormat()  # the base only states the interface
+    assert isinstance(Fp8Component(), ComponentFormat) and isinstance(CodebookComponent(3), ComponentFormat)
+    assert CodebookComponent(3) == CodebookComponent(3) and hash(CodebookComponent(3)) == hash(CodebookComponent(3))
+    assert CodebookComponent(3) != CodebookComponent(3, norm_correction=False)
+    assert Fp8Component() == Fp8Component() and Fp8Component() != CodebookComponent(8, norm_correction=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CodebookComponent(3).bits = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Fp8Component().kind = "mse"
+
+
+# A component's kind compared as a string, or "mse"/"fp8" literals compared: callers ask the component instead.
+_KIND_BRANCH = re.compile(
+    r"""\.kind\s*(==|!=|in\b|not\s+in\b)"""
+    r"""|(==|!=)\s*["'](mse|fp8)["']|["'](mse|fp8)["']\s*(==|!=)"""
+    r"""|\bin\s*[(\[{]\s*["'](mse|fp8)["']"""
+)
+
+
+def test_no_caller_branches_on_a_kind_string():
+    root = Path(turboquant_core.__file__).parent
+    skip = {root / "formats.py", root / "gguf_convert.py"}  # gguf_convert: ``kind`` is a GGUF value type
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}"
+            for p in sorted(root.rglob("*.py")) if p not in skip
+            for i, line in enumerate(p.read_text().splitlines(), 1) if _KIND_BRANCH.search(line)]
+    assert not hits, "branch on the component's properties, not its kind:\n" + "\n".join(hits)
+    for line in ('if fmt.key.kind == "fp8":', "if c.kind not in ('mse', 'fp8'):", 'x = 4 if kind == "fp8" else b'):
+        assert _KIND_BRANCH.search(line), line
 
 
 def test_table_invariants():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from turboquant_core.codebooks import lloyd_max_codebook
-from turboquant_core.formats import ComponentFormat
+from turboquant_core.formats import CodebookComponent, Fp8Component
 from turboquant_core.validate import (
     CHUNK_ROWS,
     resolve_backend,
@@ -18,10 +18,10 @@ CPU = torch.device("cpu")
 
 
 def test_theory_mse():
-    assert theory_mse(ComponentFormat("mse", 3), 128) == lloyd_max_codebook(3, 128).mse
+    assert theory_mse(CodebookComponent(3), 128) == lloyd_max_codebook(3, 128).mse
     half = 0.5 * (lloyd_max_codebook(3, 64).mse + lloyd_max_codebook(2, 64).mse)
-    assert theory_mse(ComponentFormat("mse", 2.5), 64) == pytest.approx(half)
-    assert theory_mse(ComponentFormat("fp8", 8, False), 64) is None
+    assert theory_mse(CodebookComponent(2.5), 64) == pytest.approx(half)
+    assert theory_mse(Fp8Component(), 64) is None
 
 
 def test_resolve_backend(monkeypatch):

@@ -7,14 +7,17 @@ Names shared with stock vLLM 0.26 keep their bit meaning (``k3v4`` = 3-bit keys,
 ``nc`` = norm correction); the fork adds presets stock lacks. Format names never change meaning;
 a retired name stays in ``RETIRED_FORMATS`` with a note.
 
-Per token and KV head, a component (K or V) of kind
-- ``mse``  stores packed codebook indices (``packing.PACKING_LAYOUT``) + one fp16 scale (2 B),
-- ``fp8``  stores d float8 e4m3 bytes of the rotated vector, no scale.
+Per token and KV head, a component (K or V) is one of
+- ``CodebookComponent(bits)``: packed codebook indices (``packing.PACKING_LAYOUT``) + one fp16 scale (2 B),
+- ``Fp8Component()``: d float8 e4m3 bytes of the rotated vector, no scale.
+Each answers for itself (bytes, quantizer, ``has_codebook``, ``stores_scale``, ...): callers do not test a kind.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .packing import PACKING_LAYOUT, packed_bytes
 from .quantizer import FP8Quantizer, MSEQuantizer, split_segments
@@ -26,26 +29,35 @@ KEY_ROTATION_SEED = 0x7C01
 VALUE_ROTATION_SEED = 0x7C02
 
 
-@dataclass(frozen=True)
-class ComponentFormat:
-    """How one of K or V is stored."""
+class ComponentFormat(ABC):
+    """How one of K or V is stored: the base of ``CodebookComponent`` and ``Fp8Component``.
 
-    kind: str  # "mse" | "fp8"
-    bits: float  # bits per coordinate for the indices (8 for fp8)
-    norm_correction: bool = True
+    Callers ask the component (``has_codebook``, ``stores_scale``, ...) instead of testing its kind.
+    """
 
+    kind: ClassVar[str]  # "mse" | "fp8": a label for output, not for branching
+    bits: float  # bits per coordinate of the stored code (8 for fp8)
+    norm_correction: bool
+    has_codebook: ClassVar[bool]  # packed Lloyd-Max indices: ``segments`` and a theory MSE exist
+    is_fp8: ClassVar[bool]  # d float8 e4m3 bytes of the rotated vector (the kernels' K_FP8 path)
+    stores_scale: ClassVar[bool]  # one fp16 scale per vector after the indices
+    centerable: ClassVar[bool]  # key centering applies to keys stored this way
+
+    @property
+    def kernel_bits(self) -> float:
+        """Bits of the codec tables the paged kernels build for this component."""
+        return self.bits
+
+    @abstractmethod
     def segments(self, head_dim: int) -> tuple[tuple[int, int], ...]:
-        if self.kind != "mse":
-            raise ValueError(f"{self.kind} has no codebook segments")
-        return split_segments(head_dim, self.bits)
+        """(channels, bits) per codebook segment of the rotated vector; ValueError without a codebook."""
 
+    @abstractmethod
     def index_bytes(self, head_dim: int) -> int:
-        if self.kind == "fp8":
-            return head_dim
-        return sum(packed_bytes(n, b) for n, b in self.segments(head_dim))
+        """Bytes of the per-vector code (indices or fp8 values), scale excluded."""
 
     def scale_bytes(self) -> int:
-        return NORM_BYTES if self.kind == "mse" else 0
+        return NORM_BYTES if self.stores_scale else 0
 
     def bytes_per_vector(self, head_dim: int) -> int:
         check_head_dim(head_dim)
@@ -54,15 +66,72 @@ class ComponentFormat:
     def bits_per_coordinate(self, head_dim: int) -> float:
         return 8.0 * self.bytes_per_vector(head_dim) / head_dim
 
+    @abstractmethod
     def quantizer(self, head_dim: int, seed: int):
-        if self.kind == "fp8":
-            return FP8Quantizer(head_dim, seed)
+        """The reference (torch) quantizer of this encoding."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """A short human-readable label (``tq presets``, ``tq validate``)."""
+
+
+@dataclass(frozen=True)
+class CodebookComponent(ComponentFormat):
+    """Packed Lloyd-Max indices (``packing.PACKING_LAYOUT``) + one fp16 scale per vector.
+
+    Fractional ``bits`` (3.5, 2.5) split the rotated channels into two segments.
+    """
+
+    bits: float
+    norm_correction: bool = True
+
+    kind: ClassVar[str] = "mse"
+    has_codebook: ClassVar[bool] = True
+    is_fp8: ClassVar[bool] = False
+    stores_scale: ClassVar[bool] = True
+    centerable: ClassVar[bool] = True
+
+    def segments(self, head_dim: int) -> tuple[tuple[int, int], ...]:
+        return split_segments(head_dim, self.bits)
+
+    def index_bytes(self, head_dim: int) -> int:
+        return sum(packed_bytes(n, b) for n, b in self.segments(head_dim))
+
+    def quantizer(self, head_dim: int, seed: int) -> MSEQuantizer:
         return MSEQuantizer(head_dim, self.bits, self.norm_correction, seed)
 
     def describe(self) -> str:
-        if self.kind == "fp8":
-            return "fp8 e4m3 (rotated)"
         return f"{self.bits:g}-bit Lloyd-Max{' +nc' if self.norm_correction else ''}"
+
+
+@dataclass(frozen=True)
+class Fp8Component(ComponentFormat):
+    """d float8 e4m3 bytes of the rotated vector, no scale and no codebook."""
+
+    kind: ClassVar[str] = "fp8"
+    bits: ClassVar[float] = 8
+    norm_correction: ClassVar[bool] = False
+    has_codebook: ClassVar[bool] = False
+    is_fp8: ClassVar[bool] = True
+    stores_scale: ClassVar[bool] = False
+    centerable: ClassVar[bool] = False
+
+    @property
+    def kernel_bits(self) -> float:
+        # The kernels borrow a 4-bit codec's rotation table (one segment at every head dim): only its rows are used.
+        return 4
+
+    def segments(self, head_dim: int) -> tuple[tuple[int, int], ...]:
+        raise ValueError("fp8 has no codebook segments (it stores d float8 e4m3 bytes)")
+
+    def index_bytes(self, head_dim: int) -> int:
+        return head_dim
+
+    def quantizer(self, head_dim: int, seed: int) -> FP8Quantizer:
+        return FP8Quantizer(head_dim, seed)
+
+    def describe(self) -> str:
+        return "fp8 e4m3 (rotated)"
 
 
 @dataclass(frozen=True)
@@ -98,27 +167,27 @@ class KVFormat:
         return self.value.quantizer(head_dim, self.value_seed)
 
 
-_MSE = ComponentFormat
+_CB = CodebookComponent
 KV_FORMATS: dict[str, KVFormat] = {
     f.name: f
     for f in (
-        KVFormat("turboquant_k8v4", ComponentFormat("fp8", 8, False), _MSE("mse", 4), "stock",
+        KVFormat("turboquant_k8v4", Fp8Component(), _CB(4), "stock",
                  "fp8 keys, 4-bit codebook values (stock: uniform values)"),
-        KVFormat("turboquant_4bit_nc", _MSE("mse", 4), _MSE("mse", 4), "stock",
+        KVFormat("turboquant_4bit_nc", _CB(4), _CB(4), "stock",
                  "4-bit keys and values, norm-corrected"),
-        KVFormat("turboquant_k3v4_nc", _MSE("mse", 3), _MSE("mse", 4), "stock",
+        KVFormat("turboquant_k3v4_nc", _CB(3), _CB(4), "stock",
                  "3-bit keys, 4-bit values, norm-corrected"),
-        KVFormat("turboquant_3bit_nc", _MSE("mse", 3), _MSE("mse", 3), "stock",
+        KVFormat("turboquant_3bit_nc", _CB(3), _CB(3), "stock",
                  "3-bit keys and values, norm-corrected"),
-        KVFormat("turboquant_k4v3_nc", _MSE("mse", 4), _MSE("mse", 3), "new",
+        KVFormat("turboquant_k4v3_nc", _CB(4), _CB(3), "new",
                  "4-bit keys, 3-bit values: the bytes of k3v4 with the bit on the keys (lower KL)"),
-        KVFormat("turboquant_3p5bit_nc", _MSE("mse", 3.5), _MSE("mse", 3.5), "new",
+        KVFormat("turboquant_3p5bit_nc", _CB(3.5), _CB(3.5), "new",
                  "3.5-bit keys and values (half the rotated channels at 4, half at 3)"),
-        KVFormat("turboquant_k3v2_nc", _MSE("mse", 3), _MSE("mse", 2), "new",
+        KVFormat("turboquant_k3v2_nc", _CB(3), _CB(2), "new",
                  "3-bit keys, 2-bit values: values average out in attention, keys do not"),
-        KVFormat("turboquant_2p5bit_nc", _MSE("mse", 2.5), _MSE("mse", 2.5), "new",
+        KVFormat("turboquant_2p5bit_nc", _CB(2.5), _CB(2.5), "new",
                  "2.5-bit keys and values (half at 3, half at 2)"),
-        KVFormat("turboquant_2bit_nc", _MSE("mse", 2), _MSE("mse", 2), "new",
+        KVFormat("turboquant_2bit_nc", _CB(2), _CB(2), "new",
                  "2-bit keys and values: maximum capacity"),
     )
 }

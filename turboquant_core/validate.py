@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .codebooks import lloyd_max_codebook
 from .formats import ComponentFormat, get_format
-from .quantizer import MSEQuantizer, QJLQuantizer, split_segments
+from .quantizer import MSEQuantizer, QJLQuantizer
 from .rotation import check_head_dim
 
 BACKENDS = ("auto", "triton", "reference")
@@ -71,10 +71,10 @@ class _Moments:
 
 
 def theory_mse(component: ComponentFormat, dim: int) -> float | None:
-    """Lloyd-Max distortion of a unit vector for an MSE component (None for fp8: no codebook)."""
-    if component.kind != "mse":
+    """Lloyd-Max distortion of a unit vector for a codebook component (None for fp8: no codebook)."""
+    if not component.has_codebook:
         return None
-    return sum(n * lloyd_max_codebook(b, dim).mse for n, b in split_segments(dim, component.bits)) / dim
+    return sum(n * lloyd_max_codebook(b, dim).mse for n, b in component.segments(dim)) / dim
 
 
 def default_device() -> torch.device:
@@ -113,7 +113,7 @@ def unit_vector_chunks(n_vectors: int, dim: int, seed: int, device: torch.device
 
 def _roundtrip_fn(component: ComponentFormat, dim: int, seed: int, backend: str):
     """x [m, d] fp32 -> x_hat [m, d] fp32 through the component's encoding."""
-    if component.kind == "fp8":
+    if not component.has_codebook:
         q = component.quantizer(dim, seed)
         return lambda x: q.dequantize(q.quantize(x)).float(), "reference"
     if backend == "triton":
@@ -166,7 +166,7 @@ def validate_presets(
     for f, d, role in tqdm(jobs, desc="validate presets", disable=None if progress else True):
         comp, comp_seed = (f.key, f.key_seed) if role == "K" else (f.value, f.value_seed)
         # Presets share components (same bits and seed): measure each once per dim.
-        key = (comp.kind, comp.bits, comp.norm_correction, comp_seed, d)
+        key = (comp, comp_seed, d)
         if key not in cache:
             fn, used = _roundtrip_fn(comp, d, comp_seed, backend)
             cache[key] = {**_measure(fn, n_vectors, d, seed, device), "backend": used}

@@ -150,7 +150,7 @@ def test_update_returns_dequantized_storage():
         f = get_format(preset)
         layer = TurboQuantLayer(f, HEAD_DIM, fresh_full_precision=False)
         k_out, v_out = layer.update(keys, values)
-        k_ref = (FP8Quantizer(HEAD_DIM, f.key_seed) if f.key.kind == "fp8"
+        k_ref = (FP8Quantizer(HEAD_DIM, f.key_seed) if f.key.is_fp8
                  else MSEQuantizer(HEAD_DIM, f.key.bits, True, f.key_seed))
         k_expected = k_ref.dequantize(k_ref.quantize(keys))
         torch.testing.assert_close(k_out, k_expected, rtol=1e-5, atol=1e-5)
@@ -162,7 +162,7 @@ def test_update_returns_dequantized_storage():
         torch.testing.assert_close(v_out, v_dec)
         assert not torch.allclose(k_out, keys, atol=1e-3)
         assert s.key_codes.shape == (2, 3, 5, f.key.index_bytes(HEAD_DIM))
-        assert (s.key_scales is None) == (f.key.kind == "fp8")
+        assert (s.key_scales is None) == (not f.key.stores_scale)
 
 
 def test_residual_tokens_stay_full_precision():

@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codebook lookups inside the kernels (``kernels.codebook_lookup_jit``): the byte-permute lookup modelled on
-the CPU, and on a GPU the kernels that use it against their load-based variants."""
+the CPU, and the lookup the kernels call against the codebook, bit for bit (interpreter and GPU)."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from tests.ops.test_paged import _paged_batch
 from turboquant_core.codebooks import codebook_tensors
-from turboquant_core.formats import format_names
-from turboquant_core.kernels.codebook_lookup_jit import _codebook_bytes, _nibble_fields
-from turboquant_core.ops.codec import decode, encode
-from turboquant_core.ops.paged import TQAttentionConfig, tq_gather_dequant, tq_paged_attention
+from turboquant_core.kernels.codebook_lookup_jit import (
+    _codebook_bytes,
+    _codebook_registers,
+    _dequant_words,
+    _nibble_fields,
+)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -64,7 +65,7 @@ def test_permute_lookup_returns_every_codebook_entry(bits):
     interpreted output: for random words of 8 fields and for every single index value, the four fields
     of each selector half come back as the fp16 bits of exactly their codebook entries."""
     if torch.cuda.is_available():
-        pytest.skip("interpreter check (the GPU runs the PTX itself: test_permute_lookup_is_bit_identical_on_gpu)")
+        pytest.skip("interpreter model (the GPU runs the PTX itself: test_dequant_words_gives_each_fields_...)")
     n_entries = 1 << bits
     table = codebook_tensors(bits, 128, "cpu")[0].to(torch.float16)
     entry_bits = table.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).tolist()
@@ -79,41 +80,29 @@ def test_permute_lookup_returns_every_codebook_entry(bits):
         assert got == [entry_bits[i] for i in f]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", format_names())
-def test_permute_lookup_is_bit_identical_on_gpu(name):
-    """Register (byte-permute) and L1-load codebook lookups feed the same fp16 values to the same products."""
-    lay, cache, bt, qsl, sl, q = _paged_batch(name, 128, 2, 4, [1, 17, 300], [1, 1, 1], "cuda")
-    outs = []
-    for permute in (True, False):
-        cfg = TQAttentionConfig(permute_lookup=permute)
-        outs.append(tq_paged_attention(q, cache, lay, bt, qsl, sl, max_query_len=1, max_seq_len=300,
-                                       num_splits=2, return_lse=True, config=cfg))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+@triton.jit
+def _dequant_words_probe(W, T, OUT, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
+    rows = tl.arange(0, BN)
+    g = tl.arange(0, GP)
+    word = tl.load(W + rows[:, None] * GP + g[None, :]).to(tl.uint32)
+    c = _dequant_words(word, T, _codebook_registers(T, B), BN, GP, B)
+    p = tl.arange(0, 8 * GP)
+    tl.store(OUT + rows[:, None] * (8 * GP) + p[None, :], c)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 2.5, 3, 3.5, 4])
-def test_dense_decode_with_permutes_matches_gathers_on_gpu(bits):
-    """bf16 outputs: the same fp16 codebook values either way; only the product's summation order differs."""
-    x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
-    packed, scale = encode(x, bits, 7)
-    a = decode(packed, scale, 128, bits, 7, torch.bfloat16, permute_lookup=True).float()
-    b = decode(packed, scale, 128, bits, 7, torch.bfloat16, permute_lookup=False).float()
-    torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
-    assert (a - b).abs().max() <= 2 ** -6 * b.abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", format_names())
-def test_gather_dequant_with_permutes_matches_gathers_on_gpu(name):
-    lay, cache, bt, qsl, sl, q = _paged_batch(name, 128, 2, 4, [1, 17, 300], [1, 1, 1], "cuda")
-    cu = torch.tensor([0, 1, 18, 318], dtype=torch.int32, device="cuda")
-    outs = []
-    for permute in (True, False):
-        k = torch.empty(318, 2, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.empty_like(k)
-        tq_gather_dequant(cache, lay, bt, sl, cu, k, v, max_seq_len=300, permute_lookup=permute)
-        outs.append((k.float(), v.float()))
-    for a, b in zip(outs[0], outs[1]):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequant_words_gives_each_fields_codebook_value_in_kernel_order(bits, device):
+    """The lookup the kernels use (byte permutes on the GPU, loads in the interpreter) is bit-exact: tile
+    position g*8 + r holds the fp16 codebook entry of field bitrev3(r) of word g, for every index value."""
+    bn, gp, n_entries = 32, 4, 1 << bits
+    table = codebook_tensors(bits, 128, "cpu")[0].to(torch.float16)
+    g = torch.Generator().manual_seed(bits)
+    fields = torch.randint(0, n_entries, (bn, gp, 8), generator=g)
+    fields[:n_entries, 0, :] = torch.arange(n_entries)[:, None]  # every index value in every field
+    words = (fields << (bits * torch.arange(8))).sum(-1)
+    words = (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+    out = torch.empty(bn, 8 * gp, dtype=torch.float16, device=device)
+    _dequant_words_probe[(1,)](words.to(device), table.to(device), out, BN=bn, GP=gp, B=bits)
+    bitrev3 = torch.tensor([0, 4, 2, 6, 1, 5, 3, 7])
+    want = table[fields[:, :, bitrev3]].reshape(bn, 8 * gp)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))

@@ -17,8 +17,6 @@ from turboquant_core.kernels.codec_jit import (
     _pack_order_words_from_polynomial,
 )
 from turboquant_core.ops.codec import (
-    ENCODERS,
-    butterfly_applies,
     choose_encoder,
     decode,
     decode_ref,
@@ -34,7 +32,6 @@ from turboquant_core.ops.rotation_tables import (
     encoder_index_polynomial,
     packing_order,
     packing_order_rotation,
-    sign_bit_words,
 )
 from turboquant_core.quantizer import split_segments
 from turboquant_core.rotation import SUPPORTED_HEAD_DIMS, rotate
@@ -246,50 +243,30 @@ def test_bad_launch_configuration(device):
         encode(x, 3, SEED, num_warps=3)
 
 
-def test_butterfly_encoder_applies_where_measured_faster():
-    # The in-register transform serves d = 64 (Hadamard) except 3.5 bits; other dims keep the products.
-    assert [b for b in BITS if butterfly_applies(codec_tables(64, b, SEED))] == [2, 2.5, 3, 4]
-    assert not any(butterfly_applies(codec_tables(d, 3, SEED)) for d in (80, 96, 128, 256))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
-def test_butterfly_and_product_encoders_match_the_reference(device, dtype, bits):
-    # Both rotations of d = 64 (the in-register transform where it applies, and the products) against the
-    # reference, including an all-zero row (every coordinate 0: the reference's index H - 1).
+def test_encoder_matches_the_reference_at_head_dim_64(device, dtype, bits):
+    # The products (fp32 rows, two-segment formats, 1 bit) and the packing-order encoder (16-bit rows, one
+    # segment) against the reference, including an all-zero row (every coordinate 0: the reference's index H - 1).
     x = _rows(37, 64, seed=13, device=device).clamp(-6e4, 6e4).to(dtype)
     x[5] = 0
-    check_encode(x, bits, encoder="auto")
-    check_encode(x, bits, encoder="products")
+    check_encode(x, bits)
 
 
-def test_auto_encoder_takes_the_measured_fastest_that_applies():
+def test_encoder_choice():
     bf16, f32 = torch.bfloat16, torch.float32
     assert choose_encoder(codec_tables(128, 3, SEED), bf16) == "packing_order"
     assert choose_encoder(codec_tables(128, 3, SEED), torch.float16) == "packing_order"
     assert choose_encoder(codec_tables(128, 3, SEED), f32) == "products"  # fp32 rows: no exact 16-bit product
     assert choose_encoder(codec_tables(128, 3.5, SEED), bf16) == "products"  # two segments
     assert choose_encoder(codec_tables(64, 3, SEED), bf16) == "packing_order"
-    assert choose_encoder(codec_tables(64, 3, SEED), f32) == "butterfly"
-    assert choose_encoder(codec_tables(64, 2.5, SEED), bf16) == "butterfly"
+    assert choose_encoder(codec_tables(64, 3, SEED), f32) == "products"
+    assert choose_encoder(codec_tables(64, 2.5, SEED), bf16) == "products"
     assert choose_encoder(codec_tables(96, 3, SEED), bf16) == "products"
     assert choose_encoder(codec_tables(256, 4, SEED), bf16) == "packing_order"
     assert choose_encoder(codec_tables(512, 4, SEED), bf16) == "products"
     assert [d for d in (64, 128, 256) for b in (2, 3, 4) if packing_order_applies(codec_tables(d, b, SEED), bf16)] \
         == [64] * 3 + [128] * 3 + [256] * 3
-
-
-def test_bad_encoder_names_and_encoders_that_do_not_apply():
-    valid = "valid encoders: auto, products, butterfly, packing_order"
-    with pytest.raises(ValueError, match=f"unknown encoder 'fast'; {valid}"):
-        choose_encoder(codec_tables(128, 3, SEED), torch.bfloat16, "fast")
-    with pytest.raises(ValueError, match="packing_order encoder serves one-segment formats"):
-        choose_encoder(codec_tables(128, 2.5, SEED), torch.bfloat16, "packing_order")
-    with pytest.raises(ValueError, match="packing_order encoder serves .* with fp16 or bf16 rows"):
-        choose_encoder(codec_tables(128, 3, SEED), torch.float32, "packing_order")
-    with pytest.raises(ValueError, match="butterfly encoder serves d = 64"):
-        choose_encoder(codec_tables(128, 3, SEED), torch.bfloat16, "butterfly")
-    assert set(ENCODERS) == {"auto", "products", "butterfly", "packing_order"}
 
 
 def test_packing_order_is_a_permutation_with_a_groups_slots_in_register_bits():
@@ -317,7 +294,8 @@ def test_packing_order_encoder_matches_the_reference(device, dtype, dim, bits):
     # Rows over six decades of norms, an all-zero row, and a count that leaves the last tile partly empty.
     x = _rows(75, dim, seed=17, device=device).to(dtype)
     x[6] = 0
-    packed, scale, _, _ = check_encode(x, bits, encoder="packing_order")
+    assert choose_encoder(codec_tables(dim, bits, SEED), dtype) == "packing_order"
+    packed, scale, _, _ = check_encode(x, bits)
     assert scale[6] == 0
 
 
@@ -325,12 +303,7 @@ def test_packing_order_encoder_matches_the_reference(device, dtype, dim, bits):
 def test_packing_order_encoder_launches_and_many_tiles_per_program(device, block_rows, num_warps):
     # On a GPU, 1100 rows in tiles of 16 are 69 tiles: programs loop over several (two programs per SM).
     x = _rows(1100 if device == "cuda" else 70, 128, seed=19, device=device).to(torch.bfloat16)
-    packed, scale = encode(x, 3, SEED, encoder="products")
-    p2, s2 = encode(x, 3, SEED, encoder="packing_order", block_rows=block_rows, num_warps=num_warps)
-    near = near_boundary(x, 3, SEED)
-    differ = unpack_segments(p2, 128, 3) != unpack_segments(packed, 128, 3)
-    assert not (differ & ~near).any()
-    torch.testing.assert_close(s2.float(), scale.float(), rtol=2**-10, atol=0)
+    check_encode(x, 3, block_rows=block_rows, num_warps=num_warps)
 
 
 def _round_toward_zero_f16(x: torch.Tensor) -> torch.Tensor:
@@ -525,14 +498,3 @@ def test_index_polynomial_tables_hold_the_coefficients_and_c_squared_bytes():
     assert codec_tables(128, 3, SEED).index_polynomial is None and codec_tables(96, 4, SEED).index_polynomial is None
     assert codec_tables(128, 3.5, SEED).index_polynomial is None
     assert encoder_index_polynomial(4, 80, codebook_tensors(4, 80)[0]) is None
-
-
-def test_sign_bit_words_hold_the_rotation_diagonal():
-    from turboquant_core.rotation import hadamard_signs
-    for dim in (64, 128, 256):
-        signs = hadamard_signs(dim, SEED)
-        words = sign_bit_words(signs)
-        assert words.dtype == torch.int32 and words.shape == (dim // 32,)
-        bits = (words[:, None].to(torch.int64) >> torch.arange(32)) & 1
-        assert torch.equal(bits.reshape(-1) == 1, signs < 0)
-        assert torch.equal(codec_tables(dim, 3, SEED).sign_words, words)

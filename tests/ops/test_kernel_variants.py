@@ -69,23 +69,20 @@ def probe_run(self, *args, grid, warmup, **kwargs):
 
 tjit.JITFunction.run = probe_run
 
-from turboquant_core.ops.paged import (TQAttentionConfig, TQAttentionPlan, allocate_kv_cache, paged_layout,
-                                       tq_store, warmup_kernels)
+from turboquant_core.ops.paged import TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store, warmup_kernels
 
 fmt, hq, hkv, d, window = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 window = None if window == "none" else int(window)
 bs = 16
 layout = paged_layout(fmt, head_dim=d, block_size=bs)
 cache = allocate_kv_cache(64, hkv, layout)
-asm = len(sys.argv) < 8 or sys.argv[7] == "asm"
 cent = None
-if len(sys.argv) > 8 and sys.argv[8] == "center":
+if "center" in sys.argv[7:]:
     from turboquant_core.ops.key_centering import key_centering_tables
     from turboquant_core.ops.paged import new_center_sums
     cent = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, bs, 8192)
     sums = new_center_sums(70, hkv, cent, "cpu")
-warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window,
-               config=TQAttentionConfig(asm_lookup=asm), centering=cent)
+warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent)
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -195,12 +192,12 @@ def test_warmup_covers_every_serving_variant(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:2], ids=[c[0] for c in CASES[:2]])
 def test_warmup_covers_every_centred_serving_variant(case):
-    _check_coverage(_probe("keys", case, "asm", "center"), SERVING_KERNELS | {"tq_key_center_sums_kernel"})
+    _check_coverage(_probe("keys", case, "center"), SERVING_KERNELS | {"tq_key_center_sums_kernel"})
 
 
 @pytest.mark.slow
 def test_centred_warmup_variants_compile_for_sm90():
-    _check_compiled(_probe("compile", CASES[0], "asm", "center"))
+    _check_compiled(_probe("compile", CASES[0], "center"))
 
 
 @pytest.mark.slow
@@ -219,8 +216,7 @@ def test_fp8_key_store_compiles_without_spills_for_sm90():
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["turboquant_3p5bit_nc", "turboquant_2p5bit_nc"])
 def test_two_segment_formats_at_head_dim_64_compile_for_sm90(fmt):
-    """Two 32-wide segments (head_dim 64) in a 64-row block make Triton 3.6's dot-operand pass fail with
-    plain loads, and the inline-PTX build of the same kernel read illegal addresses on an H100 (SmolLM2,
-    GQA group 3). The planner keeps such formats at <= 32 rows; this compiles every warm-up variant
-    (decode and every context shape) with plain loads, where the compiler failure shows on the CPU."""
-    _check_compiled(_probe("compile", (fmt, 9, 3, 64, "none"), "plain"))
+    """Two 32-wide segments (head_dim 64) in a 64-row block make Triton 3.6's dot-operand pass fail or
+    miscompile into illegal addresses (SmolLM2, GQA group 3). The planner keeps such formats at <= 32 rows;
+    this compiles every warm-up variant (decode and every context shape)."""
+    _check_compiled(_probe("compile", (fmt, 9, 3, 64, "none")))

@@ -61,7 +61,6 @@ from ..ops.key_centering import (
     key_centering_tables,
     page_center_rows,
 )
-from ..quantizer import FP8Quantizer
 from ..rotation import SUPPORTED_HEAD_DIMS
 
 DEFAULT_PRESET = "turboquant_k3v4_nc"
@@ -78,8 +77,8 @@ def encode_component(component: ComponentFormat, x: torch.Tensor,
                      seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., d] -> (codes uint8 [..., bytes], scale fp16 [...] or None for fp8)."""
     head_dim = x.shape[-1]
-    if component.kind == "fp8":
-        return FP8Quantizer(head_dim, seed).quantize(x), None
+    if not component.has_codebook:
+        return component.quantizer(head_dim, seed).quantize(x), None
     if x.is_cuda:
         from ..ops.codec import encode
 
@@ -92,8 +91,8 @@ def encode_component(component: ComponentFormat, x: torch.Tensor,
 def decode_component(component: ComponentFormat, codes: torch.Tensor, scale: torch.Tensor | None, head_dim: int,
                      seed: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of ``encode_component``: -> [..., head_dim] in ``dtype``."""
-    if component.kind == "fp8":
-        return FP8Quantizer(head_dim, seed).dequantize(codes).to(dtype)
+    if not component.has_codebook:
+        return component.quantizer(head_dim, seed).dequantize(codes).to(dtype)
     if codes.is_cuda:
         from ..ops.codec import decode
 
@@ -139,7 +138,7 @@ class CompressedKVStore:
                  centering: KeyCentering | None = None):
         check_cache_head_dim(head_dim, kv_format.name)
         self.kv_format, self.head_dim, self.residual_tokens = kv_format, head_dim, residual_tokens
-        if centering is not None and (kv_format.key.kind == "fp8" or centering.head_dim != head_dim):
+        if centering is not None and (not kv_format.key.centerable or centering.head_dim != head_dim):
             raise ValueError(f"key centering needs MSE keys of head_dim {centering.head_dim}; got "
                              f"{kv_format.name} at head_dim {head_dim}")
         self.centering = centering
@@ -472,7 +471,7 @@ class TurboQuantCache(Cache):
                  residual_tokens: int = 0, fresh_full_precision: bool = True, offloading: bool = False,
                  offload_only_non_sliding: bool = True, key_centering: KeyCentering | None = None):
         self.kv_format = get_format(preset)
-        self.key_centering = None if self.kv_format.key.kind == "fp8" else key_centering
+        self.key_centering = key_centering if self.kv_format.key.centerable else None
         if int(residual_tokens) < 0:
             raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
         self.residual_tokens = int(residual_tokens)

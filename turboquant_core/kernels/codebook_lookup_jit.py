@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codebook lookups of packed planar8 indices inside the kernels (jit only): loading a segment's packed
-words, and turning them into fp16 codebook values, by L1 loads (``tl.load`` or an elementwise PTX load)
-or by byte permutes of a codebook held in registers (``_permute_lookup4``). Shared by decode attention,
-the gather-dequant and the dense decode.
+words, and turning them into fp16 codebook values by byte permutes of a codebook held in registers
+(``_permute_lookup4``; Triton's interpreter, which cannot run PTX, loads the same values). Shared by decode
+attention, the gather-dequant and the dense decode.
 
 Coordinate order of the returned tiles ("kernel order"): a planar8 segment of b-bit indices has G groups
 of 8 (GP = G padded to a power of two); group g's b bytes (one per byte plane) form a word whose b-bit
@@ -12,8 +12,13 @@ holds field j = bitrev3(r) (``ops.rotation_tables.kernel_coordinate_order``). Ke
 with rotation rows permuted to the same order, so no data moves between threads.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# Read when the kernels are defined, as Triton itself reads it (tests set it before importing them).
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -31,58 +36,16 @@ def _load_words(IN, row_off, row_mask, byte0, G: tl.constexpr, GP: tl.constexpr,
 
 
 @triton.jit
-def _lookup(TABLE, idx, two, ASM_LOOKUP: tl.constexpr):
-    """Codebook values TABLE[idx] as fp16, keeping idx's register layout.
-
-    A ``tl.load`` gather gets its own layout from the compiler (a shared-memory round trip of the
-    pointer tile) plus 64-bit pointer arithmetic; the inline PTX is a wide multiply-add (``two`` is a
-    run-time 2, so ptxas keeps an IMAD.WIDE rather than a shift pair) and one cached load, and is
-    elementwise, so the tile stays in place. (The interpreter cannot run PTX: ``tl.load`` path.)"""
-    if ASM_LOOKUP:
-        v = tl.inline_asm_elementwise(
-            "{ .reg .b64 a; mad.wide.u32 a, $1, $2, $3; ld.global.nc.b16 $0, [a]; }", "=h,r,r,l",
-            [idx, two, TABLE.to(tl.int64)], dtype=tl.int16, is_pure=True, pack=1)
-        return v.to(tl.float16, bitcast=True)
-    else:
-        return tl.load(TABLE + idx)
-
-
-@triton.jit
-def _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP: tl.constexpr):
-    """Two codebook values per load: TABLE2 holds, for every pair (a, b) of b-bit indices packed as
-    a | b << b, the fp16 pair (c[a], c[b]). Returns (c[a], c[b])."""
-    if ASM_LOOKUP:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b64 a; .reg .b32 r; mad.wide.u32 a, $2, $3, $4; ld.global.nc.b32 r, [a]; "
-            "mov.b32 {$0, $1}, r; }", "=h,=h,r,r,l",
-            [idx2, four, TABLE2.to(tl.int64)], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
-    else:
-        return tl.load(TABLE2 + 2 * idx2), tl.load(TABLE2 + 2 * idx2 + 1)
-
-
-@triton.jit
-def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr, two, ASM_LOOKUP: tl.constexpr):
-    """Codebook value of b-bit field j of every word (fields above 8b bits are zero: no mask for j=7)."""
+def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr):
+    """Codebook value of b-bit field j of every word, loaded from TABLE (fields above 8b bits are zero: no
+    mask for j=7). The interpreter's path: it cannot run the register lookups' PTX."""
     if j == 0:
         idx = word & ((1 << B) - 1)
     elif j == 7:
         idx = word >> (B * j)
     else:
         idx = (word >> (B * j)) & ((1 << B) - 1)
-    return _lookup(TABLE, idx, two, ASM_LOOKUP)
-
-
-@triton.jit
-def _field_pair(word, TABLE2, j: tl.constexpr, B: tl.constexpr, four, ASM_LOOKUP: tl.constexpr):
-    """Codebook values of fields j and j+1 of every word, one load for both."""
-    if j == 0:
-        idx2 = word & ((1 << (2 * B)) - 1)
-    elif j == 6:
-        idx2 = word >> (B * j)
-    else:
-        idx2 = (word >> (B * j)) & ((1 << (2 * B)) - 1)
-    return _lookup_pair(TABLE2, idx2, four, ASM_LOOKUP)
+    return tl.load(TABLE + idx).to(tl.float16)
 
 
 @triton.jit
@@ -171,29 +134,34 @@ def _permute_lookup4(sel, cb, B: tl.constexpr):
 
 
 @triton.jit
-def _dequant_words(word, TABLE, TABLE2, two, four, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
-                   PAIRS: tl.constexpr, ASM_LOOKUP: tl.constexpr, cb, PERMUTE: tl.constexpr):
-    """[BN, GP] words -> [BN, 8*GP] fp16 codebook values in kernel order (position g*8 + r holds field
-    bitrev3(r)); the joins and the reshape only rename registers. ``PERMUTE``: register lookups from
-    ``cb`` (``_codebook_bytes``; 2- to 4-bit codebooks, GPU only); else ``PAIRS``: one load per two
-    fields, or one load per field."""
-    if PERMUTE and B >= 2:
+def _dequant_words(word, TABLE, cb, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
+    """[BN, GP] words of b-bit fields (b = 2, 3, 4) -> [BN, 8*GP] fp16 codebook values in kernel order
+    (position g*8 + r holds field bitrev3(r)); the joins and the reshape only rename registers. On the GPU
+    the values come from ``cb`` (``_codebook_bytes``) by register permutes; the interpreter loads them from
+    TABLE (the same fp16 values)."""
+    tl.static_assert(B >= 2 and B <= 4, "codebook lookups serve 2- to 4-bit fields")
+    if INTERPRETING:
+        f0 = _field(word, TABLE, 0, B)
+        f1 = _field(word, TABLE, 1, B)
+        f2 = _field(word, TABLE, 2, B)
+        f3 = _field(word, TABLE, 3, B)
+        f4 = _field(word, TABLE, 4, B)
+        f5 = _field(word, TABLE, 5, B)
+        f6 = _field(word, TABLE, 6, B)
+        f7 = _field(word, TABLE, 7, B)
+    else:
         x = _nibble_fields(word, B)
         f0, f1, f2, f3 = _permute_lookup4(x, cb, B)
         f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B)
-    elif PAIRS:
-        f0, f1 = _field_pair(word, TABLE2, 0, B, four, ASM_LOOKUP)
-        f2, f3 = _field_pair(word, TABLE2, 2, B, four, ASM_LOOKUP)
-        f4, f5 = _field_pair(word, TABLE2, 4, B, four, ASM_LOOKUP)
-        f6, f7 = _field_pair(word, TABLE2, 6, B, four, ASM_LOOKUP)
-    else:
-        f0 = _field(word, TABLE, 0, B, two, ASM_LOOKUP)
-        f1 = _field(word, TABLE, 1, B, two, ASM_LOOKUP)
-        f2 = _field(word, TABLE, 2, B, two, ASM_LOOKUP)
-        f3 = _field(word, TABLE, 3, B, two, ASM_LOOKUP)
-        f4 = _field(word, TABLE, 4, B, two, ASM_LOOKUP)
-        f5 = _field(word, TABLE, 5, B, two, ASM_LOOKUP)
-        f6 = _field(word, TABLE, 6, B, two, ASM_LOOKUP)
-        f7 = _field(word, TABLE, 7, B, two, ASM_LOOKUP)
     c = tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)), tl.join(tl.join(f4, f5), tl.join(f6, f7)))
     return tl.reshape(c, (BN, 8 * GP))
+
+
+@triton.jit
+def _codebook_registers(TABLE, B: tl.constexpr):
+    """What ``_dequant_words`` takes as ``cb``: the byte-permute tables on the GPU, a placeholder in the
+    interpreter."""
+    if INTERPRETING:
+        return 0
+    else:
+        return _codebook_bytes(TABLE, B)

@@ -15,15 +15,10 @@ Conventions shared with the paged-cache kernels:
 - Packing is layout ``planar8`` (see ``turboquant_core.packing``).
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-from .codebook_lookup_jit import _codebook_bytes, _dequant_words, _load_words
-
-# Read when the kernels are defined, as Triton itself reads it (tests set it before importing them).
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+from .codebook_lookup_jit import INTERPRETING, _codebook_registers, _dequant_words, _load_words
 
 
 @triton.jit
@@ -278,114 +273,7 @@ def _mse_encode_rows(x, row_mask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, 
     return _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION)
 
 
-# In-register fast Walsh-Hadamard transform (the dense encoder at d = 64).
-#
-# Every value of a row lives in one thread, so the transform is log2(d) rounds of register adds (d/2 sums and
-# d/2 differences each) with no shared memory, no product operands staged through L1 and no layout change:
-# the rotation products above keep the L1/TEX unit busy (90 % in Nsight Compute for the dense encoder) while
-# this form only loads its rows. It pays in registers: at d = 64 a thread takes 128-170 and the encoder is
-# 6-47 % faster than the products on an H200 (3.5 bits, two codebooks, 6 % slower, keeps the products); at
-# d = 128 it took all 255 and spilled, and was slower at 3.5 and 4 bits (benchmarks/results/
-# 2026-11-24-h200-butterfly-encode/). ``tl.join`` places its new axis in registers; rows loaded as 8-column chunks
-# joined pairwise therefore hold a row per thread, and every later reshape, permute, split and join works on
-# those register axes only. Flattened, column 8*c + i of a row loaded as n chunks sits at position
-# i*n + bitrev(c): a permutation of the index bits. The Hadamard matrix is unchanged when the bits of both
-# indices are permuted alike, so the transform runs in that order and the result is permuted back once.
-
-
-@triton.jit
-def _load_row_chunks(ptr, row_off, row_mask, c0: tl.constexpr, n: tl.constexpr):
-    """Columns [8*c0, 8*(c0 + n)) of each row as [BN, 8, 2, ..., 2] (log2(n) trailing axes of 2), a row per
-    thread; flattened, column 8*(c0 + c) + i sits at i*n + bitrev(c)."""
-    if n == 1:
-        i = tl.arange(0, 8)
-        return tl.load(ptr + row_off[:, None] + c0 * 8 + i[None, :], mask=row_mask[:, None], other=0.0)
-    else:
-        return tl.join(_load_row_chunks(ptr, row_off, row_mask, c0, n // 2),
-                       _load_row_chunks(ptr, row_off, row_mask, c0 + n // 2, n // 2))
-
-
-@triton.jit
-def _chunk_columns(c0: tl.constexpr, n: tl.constexpr):
-    """Column numbers in the order of ``_load_row_chunks``, [1, 8, 2, ..., 2] (constants per register)."""
-    if n == 1:
-        return (c0 * 8 + tl.arange(0, 8))[None, :]
-    else:
-        return tl.join(_chunk_columns(c0, n // 2), _chunk_columns(c0 + n // 2, n // 2))
-
-
-@triton.jit
-def _flip_signs(x, word, col):
-    """x fp32 times the rotation's +-1 diagonal: ``word`` holds the sign bit of column ``col`` at bit col % 32
-    (``CodecTables.sign_words``); a shift and an xor of the sign bit per value."""
-    sign = (word.to(tl.uint32) << (31 - (col & 31)).to(tl.uint32)) & 0x80000000
-    return (x.to(tl.uint32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _apply_signs(x, SIGN_WORDS, BN: tl.constexpr, D: tl.constexpr):
-    """x [BN, D] fp32 in chunk order times the rotation's +-1 diagonal, given as D/32 words of sign bits. The
-    words are the same for every thread and the column of each register is a constant, so this holds D/32
-    registers where +-1 values would hold D."""
-    col = tl.reshape(_chunk_columns(0, D // 8), (1, D))
-    word = tl.zeros((1, D), dtype=tl.int32) + tl.load(SIGN_WORDS)
-    for k in tl.static_range(1, D // 32):
-        word = tl.where(col >= 32 * k, tl.load(SIGN_WORDS + k), word)
-    return _flip_signs(x, word, col)
-
-
-@triton.jit
-def _butterfly_round(x, BN: tl.constexpr, D: tl.constexpr):
-    """One round of the transform on the top index bit, which then becomes the bottom one: after log2(D)
-    rounds every bit has been transformed once and the order is back where it started."""
-    a, b = tl.split(tl.permute(tl.reshape(x, (BN, 2, D // 2)), (0, 2, 1)))
-    return tl.reshape(tl.join(a + b, a - b), (BN, D))
-
-
-@triton.jit
-def _chunk_to_natural_order(x, BN: tl.constexpr):
-    """[BN, 64] in the order of ``_load_row_chunks`` (8 chunks: i*8 + bitrev3(c)) -> natural column order."""
-    return tl.reshape(tl.permute(tl.reshape(x, (BN, 8, 2, 2, 2)), (0, 4, 3, 2, 1)), (BN, 64))
-
-
-@triton.jit
-def _encode_segment_in_registers(t, OUT, out_off, row_mask, byte0, LEVELS, BND, G: tl.constexpr, B: tl.constexpr):
-    """A segment [BN, 8*G] of scaled rotated coordinates, natural order, a row per thread: quantize, pack and
-    store; returns the rows' sum of c^2."""
-    BN: tl.constexpr = t.shape[0]
-    idx, sq = _quantize_segment(t, BND, LEVELS, 1 << B)
-    _pack_store(idx, OUT, out_off, row_mask, byte0, BN, G, G, B)
-    return tl.sum(sq, axis=1)
-
-
-@triton.jit
-def _mse_encode_rows_butterfly(X, x_off, row_mask, OUT, out_off, SIGN_WORDS, LEV0, BND0, LEV1, BND1, s_mul,
-                               sqrt_d, D: tl.constexpr, G0: tl.constexpr, B0: tl.constexpr,
-                               G1: tl.constexpr, B1: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-                               BN: tl.constexpr):
-    """``_mse_encode_rows`` for a randomized Hadamard rotation of d = 64 with the transform in registers
-    (``ops.codec.butterfly_applies`` says where it is used): rows at X[x_off + ...] -> packed indices at
-    OUT[out_off + ...]; returns the clamped fp32 scale [BN]. SIGN_WORDS: the rotation's +-1 diagonal as sign
-    bits (int32 [D/32]). Two segments must be the two halves (2.5 and 3.5 bits)."""
-    tl.static_assert(D == 64, "the in-register transform serves d = 64")
-    x = tl.reshape(_load_row_chunks(X, x_off, row_mask, 0, D // 8), (BN, D)).to(tl.float32)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    inv_norm = tl.where(norm > 0, 1.0 / tl.maximum(norm, 1e-30), 0.0)
-    t = _apply_signs(x, SIGN_WORDS, BN, D)
-    for _ in tl.static_range(6):
-        t = _butterfly_round(t, BN, D)
-    t = _chunk_to_natural_order(t, BN) * (inv_norm * s_mul)[:, None]
-    if G1 > 0:
-        tl.static_assert(8 * G0 == D // 2 and 8 * G1 == D // 2, "two segments must be the two halves")
-        t0, t1 = tl.split(tl.permute(tl.reshape(t, (BN, 2, D // 2)), (0, 2, 1)))
-        sumsq = _encode_segment_in_registers(t0, OUT, out_off, row_mask, 0, LEV0, BND0, G0, B0)
-        sumsq += _encode_segment_in_registers(t1, OUT, out_off, row_mask, B0 * G0, LEV1, BND1, G1, B1)
-    else:
-        sumsq = _encode_segment_in_registers(t, OUT, out_off, row_mask, 0, LEV0, BND0, G0, B0)
-    return _row_scale(norm, sumsq, sqrt_d, NORM_CORRECTION)
-
-
-# One rotation product per tile, its columns in packing order (the dense encoder at d = 128 and 256).
+# One rotation product per tile, its columns in packing order (the dense encoder for one-segment formats).
 #
 # The products above rotate a segment one packing slot at a time (8 products of [BN, d] x [d, G]) so that the
 # 8 slots' index tiles share a register layout and pack with shifts; each product reads the row tile from shared
@@ -694,28 +582,23 @@ def tq_mse_encode_packing_order_kernel(
 
 @triton.jit
 def tq_mse_encode_kernel(
-    X, stride_x, ROT_HI, ROT_LO, ROT_BF16, SIGN_WORDS, LEV0, BND0, LEV1, BND1, OUT, stride_out, SCALE,
+    X, stride_x, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1, OUT, stride_out, SCALE,
     N, rot_scale, sqrt_d,
     D: tl.constexpr, D_PAD: tl.constexpr,
     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr,
     G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
-    NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr, BUTTERFLY: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr, EXACT_ROT: tl.constexpr, BN: tl.constexpr,
 ):
-    """Vectors [N, D] -> packed indices [N, bytes] (uint8) + fp16 scale [N]. ``BUTTERFLY``: the Hadamard
-    rotation as the in-register transform (``_mse_encode_rows_butterfly``), else as products."""
+    """Vectors [N, D] -> packed indices [N, bytes] (uint8) + fp16 scale [N], the rotation as products per
+    packing slot (any format; ``tq_mse_encode_packing_order_kernel`` serves the common one-segment case)."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     out_off = rows.to(tl.int64) * stride_out
-    if BUTTERFLY:
-        scale = _mse_encode_rows_butterfly(X, rows.to(tl.int64) * stride_x, rmask, OUT, out_off, SIGN_WORDS, LEV0,
-                                           BND0, LEV1, BND1, sqrt_d * rot_scale, sqrt_d, D, G0, B0, G1, B1,
-                                           NORM_CORRECTION, BN)
-    else:
-        i = tl.arange(0, D_PAD)
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :],
-                    mask=rmask[:, None] & (i < D)[None, :], other=0.0)
-        scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1,
-                                 rot_scale, sqrt_d, D_PAD, G0, GP0, B0, G1, GP1, B1, NORM_CORRECTION, EXACT_ROT, BN)
+    i = tl.arange(0, D_PAD)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + i[None, :],
+                mask=rmask[:, None] & (i < D)[None, :], other=0.0)
+    scale = _mse_encode_rows(x, rmask, OUT, out_off, ROT_HI, ROT_LO, ROT_BF16, LEV0, BND0, LEV1, BND1,
+                             rot_scale, sqrt_d, D_PAD, G0, GP0, B0, G1, GP1, B1, NORM_CORRECTION, EXACT_ROT, BN)
     tl.store(SCALE + rows, scale.to(tl.float16), mask=rmask)
 
 
@@ -744,11 +627,7 @@ def _permuted_segment(IN, row_off, row_mask, byte0, CENT, G: tl.constexpr, GP: t
     """A segment's codebook values [BN, 8*GP] fp32 in kernel order, looked up by byte permutes (fp16 values;
     the interpreter, which cannot run PTX, loads the same values)."""
     word = _load_words(IN, row_off, row_mask, byte0, G, GP, B)
-    if INTERPRETING:
-        c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, False, 0, False)
-    else:
-        c = _dequant_words(word, CENT, CENT, 2, 4, BN, GP, B, False, True, _codebook_bytes(CENT, B), True)
-    return c.to(tl.float16)
+    return _dequant_words(word, CENT, _codebook_registers(CENT, B), BN, GP, B)
 
 
 @triton.jit

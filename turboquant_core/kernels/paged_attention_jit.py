@@ -34,8 +34,8 @@ and not specialized, so CUDA-graph capture at many batch sizes reuses one compil
 import triton
 import triton.language as tl
 
-from .codebook_lookup_jit import _codebook_bytes, _dequant_words, _load_words
-from .codec_jit import _mse_decode_rows, _rotate_rows, _split_f16, _unrotate_rows
+from .codebook_lookup_jit import _codebook_registers, _dequant_words, _load_words
+from .codec_jit import _mse_decode_rows, _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands, _center_vectors, _page_center_logits, _token_page_rows
 
 
@@ -54,28 +54,23 @@ def _find_request(QUERY_START, num_reqs, qblock, QPB: tl.constexpr):
 
 
 @triton.jit
-def _qdot(qh, ql, kc, Q_HILO: tl.constexpr):
-    """[M, P] query (fp16 hi, lo parts) x [BN, P] fp16 key tile^T -> [M, BN] fp32."""
-    kt = tl.trans(kc)
-    s = tl.dot(qh, kt)
-    if Q_HILO:
-        s += tl.dot(ql, kt)
-    return s
+def _qdot(q, kc):
+    """[M, P] fp16 query x [BN, P] fp16 key tile^T -> [M, BN] fp32."""
+    return tl.dot(q, tl.trans(kc))
 
 
 @triton.jit
-def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
-                 CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0, qk1, pos, row_valid, window,
+                 CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
                  KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr,
                  VG0: tl.constexpr, VGP0: tl.constexpr, VB0: tl.constexpr,
                  VG1: tl.constexpr, VGP1: tl.constexpr, VB1: tl.constexpr,
                  K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
-                 K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_HILO: tl.constexpr,
-                 ASM_LOOKUP: tl.constexpr, PAIR_BITS: tl.constexpr,
+                 K_ROW: tl.constexpr, V_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER: tl.constexpr,
-                 kcb0, kcb1, vcb0, vcb1, PERMUTE: tl.constexpr):
+                 kcb0, kcb1, vcb0, vcb1):
     """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then
     scores, online-softmax update and the rotated-domain V accumulation."""
     t = start + tl.arange(0, BLOCK_N)
@@ -103,13 +98,11 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
     v_scale = tl.load(CACHE16 + base // 2 + V_SC_OFF // 2 + off, mask=tmask, other=0.0)
 
     if K_FP8:
-        s = _qdot(qk0h, qk0l, kb.to(tl.float8e4nv, bitcast=True).to(tl.float16), Q_HILO)
+        s = _qdot(qk0, kb.to(tl.float8e4nv, bitcast=True).to(tl.float16))
     else:
-        s = _qdot(qk0h, qk0l, _dequant_words(kw0, KC0, KP0, two, four, BLOCK_N, KGP0, KB0, KB0 <= PAIR_BITS,
-                                                   ASM_LOOKUP, kcb0, PERMUTE), Q_HILO)
+        s = _qdot(qk0, _dequant_words(kw0, KC0, kcb0, BLOCK_N, KGP0, KB0))
         if KG1 > 0:
-            s += _qdot(qk1h, qk1l, _dequant_words(kw1, KC1, KP1, two, four, BLOCK_N, KGP1, KB1,
-                                                         KB1 <= PAIR_BITS, ASM_LOOKUP, kcb1, PERMUTE), Q_HILO)
+            s += _qdot(qk1, _dequant_words(kw1, KC1, kcb1, BLOCK_N, KGP1, KB1))
         s = s * k_scale.to(tl.float32)[None, :]
         if CENTER:
             s += _page_center_logits(cw, cz, c_scale, start, PAGE_COS16, PAGE_SIN16, num_pages,
@@ -127,11 +120,9 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, r
 
     # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
     pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
-    acc0 = acc0 * alpha[:, None] + tl.dot(pv, _dequant_words(vw0, VC0, VP0, two, four, BLOCK_N, VGP0, VB0,
-                                                                    VB0 <= PAIR_BITS, ASM_LOOKUP, vcb0, PERMUTE))
+    acc0 = acc0 * alpha[:, None] + tl.dot(pv, _dequant_words(vw0, VC0, vcb0, BLOCK_N, VGP0, VB0))
     if VG1 > 0:
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, _dequant_words(vw1, VC1, VP1, two, four, BLOCK_N, VGP1, VB1,
-                                                                        VB1 <= PAIR_BITS, ASM_LOOKUP, vcb1, PERMUTE))
+        acc1 = acc1 * alpha[:, None] + tl.dot(pv, _dequant_words(vw1, VC1, vcb1, BLOCK_N, VGP1, VB1))
     return m_new, l_i, acc0, acc1
 
 
@@ -145,7 +136,7 @@ def tq_paged_attention_kernel(
     Q, stride_qt, stride_qh,
     CACHE, CACHE16, stride_cb, stride_ch,
     BLOCK_TABLE, stride_bt, QUERY_START, SEQ_LENS,
-    KROT_HI, KROT_LO, KC0, KC1, VROT_HI, VROT_LO, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+    KROT_HI, KROT_LO, KC0, KC1, VROT_HI, VROT_LO, VC0, VC1,
     OUT, stride_ot, stride_oh, LSE, stride_lh,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_reqs, num_splits, qk_scale, v_rot_scale, window,
@@ -159,15 +150,13 @@ def tq_paged_attention_kernel(
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr,
     SPLIT: tl.constexpr, ONE_QBLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    WRITE_LSE: tl.constexpr, WHILE_LOOP: tl.constexpr, Q_HILO: tl.constexpr, ASM_LOOKUP: tl.constexpr,
-    PAIR_BITS: tl.constexpr, CENTER: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
-    PERMUTE_LOOKUP: tl.constexpr,
+    WRITE_LSE: tl.constexpr, WHILE_LOOP: tl.constexpr, CENTER: tl.constexpr, ROT_HALF: tl.constexpr,
+    NEOX: tl.constexpr,
 ):
     """Grid (query blocks, Hkv, num_splits). ``qk_scale`` = softmax_scale * log2(e) * rot_scale(K).
 
     KROT_*/VROT_* hold the rotation rows in kernel order (8*KGP0 [+ 8*KGP1] rows of D_PAD; fp8 keys:
-    D_PAD rows in natural order); KC*/VC* the fp16 codebooks of each segment, KP*/VP* their pair tables
-    (used for segments of at most PAIR_BITS bits); ``two``/``four`` are the run-time ints 2 and 4.
+    D_PAD rows in natural order); KC*/VC* the fp16 codebooks of each segment.
 
     ``CENTER`` (MSE keys): keys past the first page were stored minus their page's centre
     (``key_centering_jit``); the tile adds q . c_page to their scores, ``center_scale`` =
@@ -213,41 +202,39 @@ def tq_paged_attention_kernel(
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
 
-    # Rotated, pre-scaled queries in kernel order; Q_HILO keeps them as an fp16 hi + lo pair
-    # (fp32-level scores for one more MMA).
+    # Rotated, pre-scaled queries in kernel order, as fp16 tensor-core operands: fp16 keeps 3 more
+    # mantissa bits than the bf16 query they come from, far below the keys' quantization error.
     i = tl.arange(0, D_PAD)
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + i[None, :],
                 mask=row_valid[:, None] & (i < D)[None, :], other=0.0).to(tl.float32)
     if K_FP8:
-        qk0h, qk0l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 0, D_PAD, D_PAD, K_EXACT) * qk_scale)
+        qk0 = (_rotate_rows(q, KROT_HI, KROT_LO, 0, D_PAD, D_PAD, K_EXACT) * qk_scale).to(tl.float16)
     else:
-        qk0h, qk0l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT) * qk_scale)
+        qk0 = (_rotate_rows(q, KROT_HI, KROT_LO, 0, 8 * KGP0, D_PAD, K_EXACT) * qk_scale).to(tl.float16)
     if KG1 > 0:
-        qk1h, qk1l = _split_f16(_rotate_rows(q, KROT_HI, KROT_LO, 8 * KGP0, 8 * KGP1, D_PAD, K_EXACT) * qk_scale)
+        qk1 = (_rotate_rows(q, KROT_HI, KROT_LO, 8 * KGP0, 8 * KGP1, D_PAD, K_EXACT) * qk_scale).to(tl.float16)
     else:
-        qk1h, qk1l = qk0h, qk0l
+        qk1 = qk0
 
     if CENTER:
         cw, cz, c_scale = _center_query_operands(q, SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh,
                                                  center_scale, D_PAD, ROT_HALF, NEOX)
     else:
-        cw = qk0h
-        cz = qk0h
+        cw = qk0
+        cz = qk0
         c_scale = row_valid
 
     # Register codebooks for the byte-permute lookups (``_permute_lookup4``), once per program.
-    kcb0 = two
-    kcb1 = two
-    vcb0 = two
-    vcb1 = two
-    if PERMUTE_LOOKUP:
-        if not K_FP8:
-            kcb0 = _codebook_bytes(KC0, KB0)
-            if KG1 > 0:
-                kcb1 = _codebook_bytes(KC1, KB1)
-        vcb0 = _codebook_bytes(VC0, VB0)
-        if VG1 > 0:
-            vcb1 = _codebook_bytes(VC1, VB1)
+    kcb0 = 0
+    kcb1 = 0
+    vcb1 = 0
+    if not K_FP8:
+        kcb0 = _codebook_registers(KC0, KB0)
+        if KG1 > 0:
+            kcb1 = _codebook_registers(KC1, KB1)
+    vcb0 = _codebook_registers(VC0, VB0)
+    if VG1 > 0:
+        vcb1 = _codebook_registers(VC1, VB1)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -264,24 +251,24 @@ def tq_paged_attention_kernel(
         start = lo
         while start < hi:
             m_i, l_i, acc0, acc1 = _attend_tile(
-                start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
-                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+                start, hi, m_i, l_i, acc0, acc1, qk0, qk1, pos, row_valid, window,
+                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1,
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
-                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
-                kcb0, kcb1, vcb0, vcb1, PERMUTE_LOOKUP)
+                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW,
+                cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
+                kcb0, kcb1, vcb0, vcb1)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc0, acc1 = _attend_tile(
-                start, hi, m_i, l_i, acc0, acc1, qk0h, qk0l, qk1h, qk1l, pos, row_valid, window,
-                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1, KP0, KP1, VP0, VP1, two, four,
+                start, hi, m_i, l_i, acc0, acc1, qk0, qk1, pos, row_valid, window,
+                CACHE, CACHE16, bt_row, head_off, stride_cb, KC0, KC1, VC0, VC1,
                 BLOCK_N, PAGE, D, D_PAD,
                 K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, VG0, VGP0, VB0, VG1, VGP1, VB1,
-                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW, Q_HILO, ASM_LOOKUP,
-                PAIR_BITS, cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
-                kcb0, kcb1, vcb0, vcb1, PERMUTE_LOOKUP)
+                K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW, HAS_WINDOW,
+                cw, cz, c_scale, PAGE_COS16, PAGE_SIN16, num_pages, CENTER,
+                kcb0, kcb1, vcb0, vcb1)
 
     # Normalize, then inverse V rotation once. Rows are scaled to max |y| = 1 first so the fp16
     # hi/lo operands of the rotation product stay in range whatever the value norms.

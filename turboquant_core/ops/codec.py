@@ -39,10 +39,9 @@ def _block_rows(dim_pad: int) -> int:
     return 64 if dim_pad <= 256 else 16
 
 
-ENCODERS = ("auto", "products", "butterfly", "packing_order")
-# Where ``encoder="auto"`` takes the packing-order encoder (measured faster than the products and, at d = 64, than
-# the in-register transform on an H200 at 2 to 4 bits: benchmarks/results/2026-11-24-h200-paired-search/).
-PACKING_ORDER_AUTO_DIMS = (64, 128, 256)
+# Where the packing-order encoder runs (measured faster than the products at 2 to 4 bits on an H200 at d = 64,
+# 128 and 256: benchmarks/results/2026-11-24-h200-paired-search/).
+PACKING_ORDER_DIMS = (64, 128, 256)
 # The packing-order encoder's launch: tiles of 64 rows over one warpgroup, three tiles' rows in flight, two
 # programs per SM (each holds the d x d rotation and the row tiles in shared memory).
 PACKING_ORDER_ROWS = 64
@@ -57,16 +56,6 @@ PACKING_ORDER_PAIRED_BITS = (2, 3, 4)
 PACKING_ORDER_POLYNOMIAL_BITS = (4,)
 
 
-def butterfly_applies(tables: CodecTables) -> bool:
-    """Whether the encoder runs the rotation as the in-register Walsh-Hadamard transform
-    (``codec_jit._mse_encode_rows_butterfly``): where it was measured faster than the products on an H200,
-    d = 64 except 3.5 bits (``benchmarks/results/2026-11-24-h200-butterfly-encode/``). At d = 128 a row per
-    thread spills its registers. "auto" takes it where the packing-order encoder does not apply (fp32 rows, two
-    segments)."""
-    bits = [s.bits for s in tables.segments]
-    return tables.exact_rot and tables.dim == 64 and bits != [4, 3]
-
-
 def packing_order_applies(tables: CodecTables, dtype: torch.dtype) -> bool:
     """Whether the packing-order encoder (``codec_jit.tq_mse_encode_packing_order_kernel``) can encode these
     rows: one segment (1 to 4 bits), a Hadamard rotation of d = 32..256, fp16 or bf16 rows (exact products)."""
@@ -74,29 +63,18 @@ def packing_order_applies(tables: CodecTables, dtype: torch.dtype) -> bool:
             and dtype in (torch.float16, torch.bfloat16))
 
 
-def choose_encoder(tables: CodecTables, dtype: torch.dtype, encoder: str = "auto") -> str:
-    """The encoder that runs: ``encoder`` itself (it must apply), or for "auto" the fastest measured one that
-    applies (packing order at ``PACKING_ORDER_AUTO_DIMS``, else the in-register transform, else products)."""
-    if encoder not in ENCODERS:
-        raise ValueError(f"unknown encoder {encoder!r}; valid encoders: {', '.join(ENCODERS)}")
-    if encoder == "auto":
-        if tables.dim in PACKING_ORDER_AUTO_DIMS and packing_order_applies(tables, dtype):
-            return "packing_order"
-        return "butterfly" if butterfly_applies(tables) else "products"
-    if encoder == "butterfly" and not butterfly_applies(tables):
-        raise ValueError(f"the butterfly encoder serves d = 64 with a Hadamard rotation, except 3.5 bits "
-                         f"(got d={tables.dim}, bits={[s.bits for s in tables.segments]})")
-    if encoder == "packing_order" and not packing_order_applies(tables, dtype):
-        raise ValueError(f"the packing_order encoder serves one-segment formats (1 to 4 bits) of power-of-two "
-                         f"d = 32..256 with fp16 or bf16 rows (got d={tables.dim}, "
-                         f"bits={[s.bits for s in tables.segments]}, {dtype})")
-    return encoder
+def choose_encoder(tables: CodecTables, dtype: torch.dtype) -> str:
+    """The encoder kernel that runs for these tables and rows: "packing_order" where it applies at
+    ``PACKING_ORDER_DIMS``, else "products" (rotation products per packing slot, any format). Both give the
+    reference's indices up to coordinates within rounding of a decision boundary."""
+    if tables.dim in PACKING_ORDER_DIMS and packing_order_applies(tables, dtype):
+        return "packing_order"
+    return "products"
 
 
-def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterfly: bool = False) -> dict:
-    """Rows per program and warps: the defaults, or a caller's choice (``benchmarks/sweep_codec_launch.py``).
-    The in-register transform holds a row per thread: 128 rows over 4 warps by default."""
-    bn = block_rows or (128 if butterfly else _block_rows(dim_pad))
+def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None) -> dict:
+    """Rows per program and warps: the defaults, or a caller's choice (``benchmarks/sweep_codec_launch.py``)."""
+    bn = block_rows or _block_rows(dim_pad)
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {bn}")
     cfg = {"BN": bn}
@@ -104,8 +82,6 @@ def _launch(dim_pad: int, block_rows: int | None, num_warps: int | None, butterf
         if num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
         cfg["num_warps"] = num_warps
-    elif butterfly:
-        cfg["num_warps"] = max(1, min(8, bn // 32))
     return cfg
 
 
@@ -150,31 +126,24 @@ def _flat(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True, *,
-           block_rows: int | None = None, num_warps: int | None = None, encoder: str = "auto"):
+           block_rows: int | None = None, num_warps: int | None = None):
     """Fused rotate + quantize + pack. x [..., d] (fp16/bf16/fp32) -> (packed [..., B] uint8, scale [...] fp16).
-    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed). ``encoder``
-    (``ENCODERS``; ``choose_encoder``): "auto" takes the fastest measured kernel that applies; "products"
-    (rotation products per packing slot, any format), "butterfly" (the Hadamard rotation as an in-register
-    Walsh-Hadamard transform, d = 64) and "packing_order" (one product per tile, columns in packing order) give
-    the same indices up to coordinates within rounding of a decision boundary."""
+    ``block_rows``/``num_warps`` override the launch configuration (same bytes, other speed); the kernel is
+    ``choose_encoder``'s."""
     dim = x.shape[-1]
     t = codec_tables(dim, bits, seed, str(x.device))
     x2 = _flat(x, dim)
     n = x2.shape[0]
     out = torch.empty(n, t.index_bytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float16, device=x.device)
-    kind = choose_encoder(t, x2.dtype, encoder)
-    if n and kind == "packing_order":
+    if n and choose_encoder(t, x2.dtype) == "packing_order":
         _encode_packing_order(x2, t, bits, seed, out, scale, norm_correction, block_rows, num_warps)
     elif n:
-        bfly = kind == "butterfly"
-        cfg = _launch(t.dim_pad, block_rows, num_warps, bfly)
+        cfg = _launch(t.dim_pad, block_rows, num_warps)
         lv0, b0, lv1, b1 = t.encode_tables()
-        signs = t.sign_words if bfly else t.rot_hi
         tq_mse_encode_kernel[(triton.cdiv(n, cfg["BN"]),)](
-            x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, signs, lv0, b0, lv1, b1, out, out.stride(0), scale,
-            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, BUTTERFLY=bfly, **cfg,
-            **t.kernel_constexprs(),
+            x2, x2.stride(0), t.rot_hi, t.rot_lo, t.rot_bf16, lv0, b0, lv1, b1, out, out.stride(0), scale,
+            n, t.rot_scale, math.sqrt(dim), NORM_CORRECTION=norm_correction, **cfg, **t.kernel_constexprs(),
         )
     lead = x.shape[:-1]
     return out.view(*lead, t.index_bytes), scale.view(lead)
@@ -182,10 +151,10 @@ def encode(x: torch.Tensor, bits: float, seed: int, norm_correction: bool = True
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, seed: int,
            dtype: torch.dtype = torch.float32, *, block_rows: int | None = None,
-           num_warps: int | None = None, permute_lookup: bool = True) -> torch.Tensor:
-    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``. ``permute_lookup`` (bf16
-    outputs, whose single fp16 product rounds the codebook values to fp16 anyway): codebook values by byte
-    permutes in registers instead of a gather per index."""
+           num_warps: int | None = None) -> torch.Tensor:
+    """Unpack + codebook lookup + inverse rotation: -> [..., dim] in ``dtype``. bf16 outputs, whose single
+    fp16 product rounds the codebook values to fp16 anyway, take them by byte permutes in registers; fp16
+    and fp32 outputs gather the fp32 codebooks per index."""
     t = codec_tables(dim, bits, seed, str(packed.device))
     if packed.shape[-1] != t.index_bytes:
         raise ValueError(f"expected {t.index_bytes} packed bytes for d={dim}, bits={bits}, got {packed.shape[-1]}")
@@ -196,7 +165,7 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dim: int, bits: float, see
     cfg = _launch(t.dim_pad, block_rows, num_warps)
     c0, _, c1, _ = t.segment_tables()
     hi_only = dtype in SINGLE_PRODUCT_DTYPES and t.dim_pad <= 256
-    permute = permute_lookup and hi_only and permute_lookup_applies(t)
+    permute = hi_only and permute_lookup_applies(t)
     rot_hi, rot_lo = kernel_order_rotation(dim, bits, seed, str(packed.device)) if permute else (t.rot_hi, t.rot_lo)
     if n:
         tq_mse_decode_kernel[(triton.cdiv(n, cfg["BN"]),)](

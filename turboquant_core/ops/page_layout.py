@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import KVFormat, get_format
+from ..formats import ComponentFormat, KVFormat, get_format
 from ..rotation import check_head_dim
 from .key_centering import KeyCentering
 from .rotation_tables import CodecTables, codec_tables, kernel_coordinate_order, kernel_order_rotation
@@ -78,7 +78,7 @@ class PagedTQLayout:
 
     @property
     def key_is_fp8(self) -> bool:
-        return self.fmt.key.kind == "fp8"
+        return self.fmt.key.is_fp8
 
     def sections(self) -> list[tuple[str, int, int]]:
         """(name, offset, bytes) per section, in page order."""
@@ -111,10 +111,10 @@ def _layout_cached(fmt: KVFormat, head_dim: int, block_size: int) -> PagedTQLayo
     check_head_dim(head_dim)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if fmt.key.kind not in ("mse", "fp8"):
-        raise ValueError(f"{fmt.name}: key kind must be 'mse' or 'fp8', got {fmt.key.kind!r}")
-    if fmt.value.kind != "mse":
-        raise ValueError(f"{fmt.name}: paged kernels need MSE (codebook) values, got {fmt.value.kind!r}")
+    if not (fmt.key.has_codebook or fmt.key.is_fp8):
+        raise ValueError(f"{fmt.name}: paged kernels need codebook or fp8 keys, got {fmt.key.describe()}")
+    if not fmt.value.has_codebook:
+        raise ValueError(f"{fmt.name}: paged kernels need MSE (codebook) values, got {fmt.value.describe()}")
     kb, vb = fmt.key.index_bytes(head_dim), fmt.value.index_bytes(head_dim)
     off = 0
     k_idx = off
@@ -122,7 +122,7 @@ def _layout_cached(fmt: KVFormat, head_dim: int, block_size: int) -> PagedTQLayo
     v_idx = off
     off = _align(off + block_size * vb)
     k_sc = -1
-    if fmt.key.kind == "mse":
+    if fmt.key.stores_scale:
         k_sc = off
         off = _align(off + 2 * block_size)
     v_sc = off
@@ -178,7 +178,6 @@ class _ComponentTables:
     attn_rot_hi: torch.Tensor  # [rows, dim_pad] fp16, kernel order
     attn_rot_lo: torch.Tensor
     cent_f16: tuple[torch.Tensor, torch.Tensor]  # codebooks of segment 0 / 1 as fp16 (tensor-core operands)
-    pairs_f16: tuple[torch.Tensor, torch.Tensor]  # [2**(2b), 2] fp16: entry a | b << b holds (c[a], c[b])
 
     def constexprs(self, prefix: str, fp8: bool = False) -> dict:
         s = self.codec.segments
@@ -195,27 +194,19 @@ attention_coordinate_order = kernel_coordinate_order  # the attention kernel's t
 
 
 @functools.lru_cache(maxsize=128)
-def _component_tables(head_dim: int, kind: str, bits: float, seed: int, device: str) -> _ComponentTables:
-    # fp8 keys reuse the single-segment rotation table of a 4-bit codec: only its rows are used.
-    t = codec_tables(head_dim, 4 if kind == "fp8" else bits, seed, device)
-    hi, lo = kernel_order_rotation(head_dim, 4 if kind == "fp8" else bits, seed, device, fp8=kind == "fp8")
+def _component_tables(head_dim: int, comp: ComponentFormat, seed: int, device: str) -> _ComponentTables:
+    # fp8 keys: ``kernel_bits`` names a single-segment codec whose rotation rows only are used.
+    t = codec_tables(head_dim, comp.kernel_bits, seed, device)
+    hi, lo = kernel_order_rotation(head_dim, comp.kernel_bits, seed, device, fp8=comp.is_fp8)
     c = t.segment_tables()
     cents = (c[0].half().contiguous(), c[2].half().contiguous())
-    pairs = tuple(_pair_table(x) for x in cents)
-    return _ComponentTables(t, hi, lo, cents, pairs)
-
-
-def _pair_table(cent: torch.Tensor) -> torch.Tensor:
-    """[2**(2b), 2] fp16: row a | (b << bits) = (cent[a], cent[b])."""
-    n = cent.numel()
-    e = torch.arange(n * n, device=cent.device)
-    return torch.stack((cent[e % n], cent[e // n]), dim=1).contiguous()
+    return _ComponentTables(t, hi, lo, cents)
 
 
 def _layout_tables(layout: PagedTQLayout, device) -> tuple[_ComponentTables, _ComponentTables]:
     f, d, dev = layout.fmt, layout.head_dim, str(torch.device(device))
-    return (_component_tables(d, f.key.kind, f.key.bits, f.key_seed, dev),
-            _component_tables(d, f.value.kind, f.value.bits, f.value_seed, dev))
+    return (_component_tables(d, f.key, f.key_seed, dev),
+            _component_tables(d, f.value, f.value_seed, dev))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from .paged_attention import MIN_TOKENS_PER_SPLIT as MIN_TOKENS_PER_SPLIT
 from .paged_attention import (
     TQAttentionConfig,
     TQAttentionPlan,
-    default_attention_config,
     merge_attn_states,
     tq_gather_dequant,
     tq_paged_attention,
@@ -50,7 +49,7 @@ from .paged_reference import (
 
 __all__ = [
     "ATTENTION_HEAD_DIMS", "FP8_MAX", "PagedTQLayout", "TQAttentionConfig", "TQAttentionPlan", "allocate_kv_cache",
-    "attention_coordinate_order", "center_sums_ref", "default_attention_config", "dequant_cached_ref",
+    "attention_coordinate_order", "center_sums_ref", "dequant_cached_ref",
     "kv_cache_shape", "merge_attn_states", "new_center_sums", "page_bytes_per_block", "paged_layout",
     "read_cached_tokens", "read_slots", "tq_key_center_sums",
     "tq_gather_dequant", "tq_gather_dequant_ref", "tq_paged_attention", "tq_paged_attention_ref", "tq_store",

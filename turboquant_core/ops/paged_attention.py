@@ -73,19 +73,7 @@ class TQAttentionConfig:
     num_warps: int = 0  # 0: 4 (8 for block_m 128)
     num_stages: int = 2
     block_m: int = 0  # 0: chosen from GQA group size x queries per request (16 for decode)
-    q_hilo: bool = False  # True: rotated query as an fp16 hi + lo pair, fp32-level scores (~7% slower); fp16
-    # alone already keeps 3 more mantissa bits than the bf16 query it comes from, far below the key error
-    asm_lookup: bool = True  # codebook lookup as an elementwise PTX load (GPU only; ignored when interpreting)
-    pair_bits: int = 4  # segments of at most this many bits look up two indices per load (table 2**(2b) x 4 B)
-    # 2- to 4-bit codebooks looked up in registers with byte permutes (GPU only; with asm_lookup): no L1 load
-    # per value. Off: the L1 loads above.
-    permute_lookup: bool = True
     maxnreg: int = 0  # register cap per thread, GPU only (0: 128 for decode-sized blocks, else none)
-
-
-def default_attention_config(head_dim: int) -> TQAttentionConfig:
-    """The configuration used when none is given (its zeros are resolved per batch by ``plan``)."""
-    return TQAttentionConfig()
 
 
 def _interpreting() -> bool:
@@ -133,7 +121,7 @@ class TQAttentionPlan:
         if self.group > 128:
             raise ValueError(f"GQA group size {self.group} > 128 is not supported")
         self.device = torch.device(device)
-        self.config = config or default_attention_config(layout.head_dim)
+        self.config = config or TQAttentionConfig()
         self.max_num_splits = max_num_splits
         if workspace is None:
             workspace = torch.empty(max(workspace_bytes // 4, 1), dtype=torch.float32, device=self.device)
@@ -257,7 +245,6 @@ class TQAttentionPlan:
             self.block_table, self.block_table.stride(0), self.query_start_loc, self.seq_lens,
             kt.attn_rot_hi, kt.attn_rot_lo, kt.cent_f16[0], kt.cent_f16[1],
             vt.attn_rot_hi, vt.attn_rot_lo, vt.cent_f16[0], vt.cent_f16[1],
-            kt.pairs_f16[0], kt.pairs_f16[1], vt.pairs_f16[0], vt.pairs_f16[1], 2, 4,
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             self.num_reqs, s, self.softmax_scale * kt.codec.rot_scale / LN2, vt.codec.rot_scale,
@@ -267,8 +254,6 @@ class TQAttentionPlan:
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             K_FP8=lay.key_is_fp8, SPLIT=s > 1, ONE_QBLOCK=self.one_qblock, CAUSAL=self.causal,
             HAS_WINDOW=self.sliding_window is not None, WRITE_LSE=write_lse, WHILE_LOOP=_interpreting(),
-            Q_HILO=cfg.q_hilo, ASM_LOOKUP=cfg.asm_lookup and not _interpreting(), PAIR_BITS=cfg.pair_bits,
-            PERMUTE_LOOKUP=cfg.asm_lookup and cfg.permute_lookup and not _interpreting(),
             CENTER=centering is not None, **cconst, num_warps=self.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}),
             **kt.constexprs("K", lay.key_is_fp8), **vt.constexprs("V"), **lay.kernel_constexprs(),
@@ -343,13 +328,12 @@ def _decode_operands(tables: _ComponentTables, permute: bool) -> tuple:
 def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, cu_seq_lens: torch.Tensor, out_k: torch.Tensor,
                       out_v: torch.Tensor, *, max_seq_len: int, block_n: int = 32,
-                      centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None,
-                      permute_lookup: bool = True):
+                      centering: KeyCentering | None = None, center_sums: torch.Tensor | None = None):
     """Dequantize cached tokens 0..seq_lens[r]-1 of every request into dense rows
     ``cu_seq_lens[r] + t`` of ``out_k``/``out_v`` [N, Hkv, d] (fp16/bf16/fp32, preallocated: the
     caller bounds N, e.g. by a fixed workspace and a chunked loop). No host synchronization.
-    ``permute_lookup`` (bf16 outputs): codebook values by byte permutes in registers (fp16 codebooks, as
-    attention uses), not gathered per index (fp32)."""
+    bf16 outputs take the codebook values by byte permutes in registers (fp16 codebooks, as attention
+    does; bf16's rounding hides theirs); fp16 and fp32 outputs gather the fp32 codebooks per index."""
     num_kv_heads = cache.shape[1]
     u8, f16 = _cache_views(cache, layout, num_kv_heads)
     for name, o in (("out_k", out_k), ("out_v", out_v)):
@@ -365,10 +349,8 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
         return out_k, out_v
     kt, vt = _layout_tables(layout, cache.device)
     kc, vc = kt.codec, vt.codec
-    # bf16 outputs only: their rounding (2**-9) hides the fp16 codebook values' (2**-12); fp16 / fp32 keep fp32.
-    k_perm = (permute_lookup and out_k.dtype == torch.bfloat16 and not layout.key_is_fp8
-              and permute_lookup_applies(kc))
-    v_perm = permute_lookup and out_v.dtype == torch.bfloat16 and permute_lookup_applies(vc)
+    k_perm = out_k.dtype == torch.bfloat16 and not layout.key_is_fp8 and permute_lookup_applies(kc)
+    v_perm = out_v.dtype == torch.bfloat16 and permute_lookup_applies(vc)
     grid = (num_reqs, triton.cdiv(max_seq_len, block_n), num_kv_heads)
     cargs, cconst = _centering_args(centering, center_sums, f16)
     tq_paged_gather_dequant_kernel[grid](
@@ -384,6 +366,6 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
 
 
 __all__ = [
-    "DEFAULT_WORKSPACE_BYTES", "TQAttentionConfig", "TQAttentionPlan", "default_attention_config",
+    "DEFAULT_WORKSPACE_BYTES", "TQAttentionConfig", "TQAttentionPlan",
     "merge_attn_states", "tq_gather_dequant", "tq_paged_attention",
 ]

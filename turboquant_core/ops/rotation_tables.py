@@ -42,7 +42,6 @@ class CodecTables:
     rot_bf16: torch.Tensor  # rot_hi in bf16: the +-1 rows exactly, the operand for bf16 inputs (exact_rot)
     rot_scale: float
     exact_rot: bool
-    sign_words: torch.Tensor  # int32 [dim/32]: a Hadamard rotation's -1 entries of its diagonal as bits; else empty
     centroids: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits]
     boundaries: tuple[torch.Tensor, ...]  # per segment, fp32 [2**bits - 1]
     levels: tuple[torch.Tensor, ...]  # per segment, int32 [2**(bits-1)]: ``encoder_levels``
@@ -140,14 +139,6 @@ def encoder_index_polynomial(bits: int, dim: int, centroids: torch.Tensor) -> to
     return torch.tensor(words, dtype=torch.int32, device=centroids.device)
 
 
-def sign_bit_words(signs: torch.Tensor) -> torch.Tensor:
-    """A +-1 diagonal [d] (d a multiple of 32) -> int32 [d/32]: bit c % 32 of word c // 32 is set where
-    entry c is -1: the columns whose sign the in-register transform flips before its rounds."""
-    neg = (signs.reshape(-1, 32) < 0).to(torch.int64)
-    words = (neg << torch.arange(32, dtype=torch.int64)).sum(dim=1)
-    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32).contiguous()
-
-
 def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
     segs = split_segments(dim, bits)
     dim_pad = next_pow2(dim)
@@ -173,9 +164,8 @@ def _build(dim: int, bits: float, seed: int, device: str) -> CodecTables:
     lo = (full - hi.float()).to(torch.float16)
     cents, bnds = zip(*(codebook_tensors(b, dim, device) for _, b in segs))
     hi = hi.to(device).contiguous()
-    sign_words = sign_bit_words(r[0]).to(device) if exact else torch.zeros(0, dtype=torch.int32, device=device)
     return CodecTables(dim, dim_pad, tuple(geoms), hi, lo.to(device).contiguous(), hi.to(torch.bfloat16),
-                       rot_scale, exact, sign_words, tuple(cents), tuple(bnds), tuple(encoder_levels(c) for c in cents),
+                       rot_scale, exact, tuple(cents), tuple(bnds), tuple(encoder_levels(c) for c in cents),
                        tuple(encoder_boundary_pairs(b) for b in bnds), byte0,
                        encoder_index_polynomial(segs[0][1], dim, cents[0]) if len(segs) == 1 else None)
 

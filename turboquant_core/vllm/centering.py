@@ -24,8 +24,8 @@ def _centering_for(
     rope, impl: TQAttentionImpl, block_size: int, cache: dict
 ) -> tuple[KeyCentering | None, str]:
     """Key-centering tables for a layer with rotary embedding ``rope``, or (None, why not)."""
-    if impl.fmt.key.kind == "fp8":
-        return None, "fp8 keys"
+    if not impl.fmt.key.centerable:
+        return None, f"{impl.fmt.key.describe()} keys"
     if impl.sliding_window is not None:
         return None, "sliding window (its first page is freed)"
     if rope is None or not isinstance(getattr(rope, "is_neox_style", None), bool):
