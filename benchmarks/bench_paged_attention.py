@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from turboquant_core.ops import paged_decode  # noqa: E402
 from turboquant_core.ops.paged import (  # noqa: E402
     TQAttentionConfig,
     TQAttentionPlan,
@@ -169,16 +170,25 @@ def bench_decode(args, out_rows, bw):
             if not args.no_baseline and not baseline_done:
                 bench_baselines(b, batch, context, baseline_done)
                 log("  baselines:", {k: v for k, v in baseline_done.items()})
-            for cfg in configs:
+            runs = [(c, k, bn) for c in configs for k in args.decode_kernels
+                    for bn in (args.decode_block_ns if k == "auto" else [None])]
+            for cfg, kernel, bn in runs:
+                if bn:
+                    paged_decode.DECODE_BLOCK_N = bn
                 row = dict(kind="decode", batch=batch, context=context, preset=fmt, kv_bytes=kv_bytes,
                            bf16_bytes=bf16_bytes, copy_bw_gbs=bw, **baseline_done)
                 try:
                     plan = TQAttentionPlan(lay, 32, 8, dev, config=cfg)
                     plan.plan(b["block_table"], b["qsl"], b["seq_lens"], num_tokens=batch, max_query_len=1,
                               max_seq_len=context, num_splits=args.num_splits)
+                    if kernel == "triton":
+                        plan.decode_splits = 0  # the Triton kernel, which the plan uses where the other does not apply
                     out = torch.empty_like(b["q"])
-                    row.update(config=repr(plan.config), num_splits=plan.num_splits, block_m=plan.block_m,
-                               block_n=plan.block_n, num_warps=plan.num_warps, maxnreg=plan.maxnreg)
+                    row.update(config=repr(plan.config), num_splits=plan.decode_splits or plan.num_splits,
+                               decode_kernel="register-tile" if plan.decode_splits else "triton",
+                               decode_block_n=paged_decode.DECODE_BLOCK_N if plan.decode_splits else None,
+                               block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps,
+                               maxnreg=plan.maxnreg)
 
                     def run(plan=plan, out=out, q=b["q"], cache=b["cache"]):
                         plan.run(q, cache, out=out)
@@ -446,11 +456,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no-store", action="store_true")
     ap.add_argument("--no-prefill", action="store_true", help="skip the context-prefill timing")
     ap.add_argument("--num-splits", type=int, default=None, help="force the split count (default: heuristic)")
+    ap.add_argument("--decode-kernels", default="auto",
+                    help="comma-separated: auto (what TQAttentionPlan picks: the register-tile kernel where it "
+                         "applies), triton (the Triton kernel)")
+    ap.add_argument("--decode-block-ns", default=str(paged_decode.DECODE_BLOCK_N),
+                    help="comma-separated tokens per tile of the register-tile kernel (paged_decode.DECODE_BLOCK_N)")
     ap.add_argument("--inspect", default=None, help="directory to dump the attention kernel's TTGIR into")
     ap.add_argument("--sweep", default=None,
                     help='JSON list of TQAttentionConfig kwargs to compare, e.g. [{"block_n":64,"num_warps":4}]')
     args = ap.parse_args(argv)
     args.cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
+    args.decode_kernels = [k.strip() for k in args.decode_kernels.split(",")]
+    args.decode_block_ns = [int(v) for v in args.decode_block_ns.split(",")]
+    if bad := [k for k in args.decode_kernels if k not in ("auto", "triton")]:
+        ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, triton")
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2
@@ -486,7 +505,8 @@ def main(argv=None) -> int:
         if "tq_ms" not in r:
             log(f"{r['batch']}x{r['context']:>6} {r['preset']:>22} ERROR {r.get('error', '')[:60]}")
             continue
-        log(f"{r['batch']:>4}x{r['context']:<7} {r['preset']:>22} {r['tq_ms']:8.4f} "
+        kern = r['decode_kernel'][:4] + str(r.get('decode_block_n') or '')
+        log(f"{r['batch']:>4}x{r['context']:<7} {r['preset'] + ' ' + kern:>29} {r['tq_ms']:8.4f} "
             f"{r.get('tq_graph_ms', float('nan')):8.4f} "
             f"{r['tq_gbs']:7.0f} {100 * r['frac_of_copy_bw']:5.1f} {r.get('sdpa_bf16_ms', float('nan')):8.4f} "
             f"{r.get('fa3_bf16_ms', float('nan')):8.4f} {r.get('speedup_vs_sdpa_bf16', float('nan')):7.2f} "

@@ -20,6 +20,18 @@ import triton.language as tl
 # Read when the kernels are defined, as Triton itself reads it (tests set it before importing them).
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
+# ``_permute_lookup4``'s instruction sequences (also used by the Gluon decode kernel): $4 the selector (field j in
+# nibble j), $5.. the codebook's byte-permute words; outputs the fp16 values of nibbles 0-3.
+PERMUTE_LOOKUP4_ASM_16 = tl.constexpr(  # 16 entries: $5-$8 low bytes of entries 0-15, $9-$12 high bytes
+    "{ .reg .b32 s, m, l0, l1, h0, h1, l, h, p, q; "
+    "and.b32 s, $4, 0x7777; shr.b32 m, $4, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
+    "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
+    "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
+PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of entries 0-7, $7, $8 high bytes
+    "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
+
 
 @triton.jit
 def _load_words(IN, row_off, row_mask, byte0, G: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
@@ -114,19 +126,12 @@ def _permute_lookup4(sel, cb, B: tl.constexpr):
     gathers from a shared table were the attention kernel's busiest unit (Nsight Compute on an H200)."""
     if B == 4:
         a, b, c, d = tl.inline_asm_elementwise(
-            "{ .reg .b32 s, m, l0, l1, h0, h1, l, h, p, q; "
-            "and.b32 s, $4, 0x7777; shr.b32 m, $4, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
-            "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
-            "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
-            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
-            "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+            PERMUTE_LOOKUP4_ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
             [sel, cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7]],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
     else:
         a, b, c, d = tl.inline_asm_elementwise(
-            "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
-            "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
-            "=h,=h,=h,=h,r,r,r,r,r",
+            PERMUTE_LOOKUP4_ASM_8, "=h,=h,=h,=h,r,r,r,r,r",
             [sel, cb[0], cb[1], cb[4], cb[5]],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
     return (a.to(tl.float16, bitcast=True), b.to(tl.float16, bitcast=True), c.to(tl.float16, bitcast=True),

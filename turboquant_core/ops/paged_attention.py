@@ -51,6 +51,13 @@ from .page_layout import (
     _ComponentTables,
     _layout_tables,
 )
+from .paged_decode import (
+    codebook_permute_words,
+    decode_path_applies,
+    decode_workspace_floats,
+    num_decode_splits,
+    run_decode,
+)
 
 LN2 = math.log(2.0)
 
@@ -137,6 +144,12 @@ class TQAttentionPlan:
         cx = {**self.k_tables.constexprs("K", layout.key_is_fp8), **self.v_tables.constexprs("V")}
         widths = [8 * cx[f"{c}GP{s}"] for c in "KV" for s in "01" if cx[f"{c}G{s}"] > 0]
         self.max_auto_block_m = 32 if min(widths) < 64 else 64
+        # The register-tile decode kernel's codebook words (host values, computed once: ``run`` never syncs).
+        self.decode_words = None
+        if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None,
+                               centering=None):
+            self.decode_words = (codebook_permute_words(self.k_tables.cent_f16[0]),
+                                 codebook_permute_words(self.v_tables.cent_f16[0]))
         self._planned = False
 
     def plan(self, block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -162,6 +175,7 @@ class TQAttentionPlan:
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
         d, g = self.layout.head_dim, self.group
         cfg = self.config
+        requested_splits = num_splits
         max_query_len = max(int(max_query_len), 1)
         g_pad = triton.next_power_of_2(g)  # rows per query in a block (see the kernel's docstring)
         block_m = cfg.block_m or min(max(16, triton.next_power_of_2(g_pad * max_query_len)),
@@ -188,6 +202,18 @@ class TQAttentionPlan:
         self.block_n = cfg.block_n or (128 if decode_sized else 64 if d <= 128 else 32)
         self.num_warps = cfg.num_warps or (4 if block_m <= 64 else 8)
         self.maxnreg = cfg.maxnreg or (128 if decode_sized else 0)
+        # Decode batches without key centering run on the register-tile kernel (``ops.paged_decode``).
+        self.decode_splits = 0
+        if self.decode_words is not None and decode_path_applies(
+                self.layout, g, self.device, max_query_len=max_query_len, causal=causal,
+                sliding_window=sliding_window, centering=None):
+            ds = requested_splits if requested_splits is not None else num_decode_splits(
+                num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits)
+            while ds > 1 and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) > \
+                    self.workspace.numel():
+                ds -= 1
+            if decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) <= self.workspace.numel():
+                self.decode_splits = ds
         self._planned = True
         return self
 
@@ -226,6 +252,9 @@ class TQAttentionPlan:
             raise ValueError(f"lse must be float32 [{self.num_q_heads}, {tq}] with a contiguous last dim")
         lse_arg = lse if write_lse else out
         if tq == 0 or self.num_reqs == 0:
+            return (out, lse) if return_lse else out
+        if self.decode_splits and centering is None:
+            run_decode(self, q, u8, f16, out, lse if write_lse else None)
             return (out, lse) if return_lse else out
         s = self.num_splits
         if s > 1:

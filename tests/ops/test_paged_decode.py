@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The register-tile decode path (``ops.paged_decode``, ``kernels.paged_decode_jit``): its coordinate orders
+and codebook words on the CPU, its kernels compiled for sm_90 on the CPU (no GPU needed), and on a GPU its
+outputs against the reference and the Triton kernel."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ops.test_codebook_lookup import _run_jit_helpers
+from tests.ops.test_paged import _check, _paged_batch
+from turboquant_core.formats import format_names, get_format
+from turboquant_core.ops.page_layout import paged_layout
+from turboquant_core.ops.paged import tq_paged_attention_ref
+from turboquant_core.ops.paged_attention import TQAttentionPlan
+from turboquant_core.ops.paged_decode import (
+    DECODE_BITS,
+    codebook_permute_words,
+    decode_key_order,
+    decode_path_applies,
+    decode_value_order,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_orders_are_permutations_with_a_words_fields_in_one_thread(dim):
+    for order, lane_bits in ((decode_key_order(dim), (1, 2)), (decode_value_order(dim), (0, 1, 2))):
+        assert sorted(order.tolist()) == list(range(dim))
+        # Coordinate j*G + g: the 8 fields of group g differ only in register bits of the position.
+        g_count = dim // 8
+        pos_of = {c: p for p, c in enumerate(order.tolist())}
+        for g in range(g_count):
+            lanes = {tuple((pos_of[j * g_count + g] >> b) & 1 for b in lane_bits) for j in range(8)}
+            assert len(lanes) == 1, (dim, g)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_words_equal_the_kernels_own(bits):
+    from turboquant_core.codebooks import codebook_tensors
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter check (the helpers run on CPU tensors)")
+
+    table = codebook_tensors(bits, 128, "cpu")[0].to(torch.float16)
+    _, cb = _run_jit_helpers(torch.zeros(4, dtype=torch.int32), table, bits)
+    want = [w - (1 << 32) if w >= 1 << 31 else w for w in cb]
+    assert list(codebook_permute_words(table)) == want
+
+
+def test_decode_path_applies_only_where_it_serves():
+    lay = paged_layout("turboquant_k3v4_nc", 128, 16)
+    kw = dict(max_query_len=1, causal=True, sliding_window=None, centering=None)
+    assert not decode_path_applies(lay, 4, torch.device("cpu"), **kw)  # no GPU
+    served = [n for n in format_names()
+              if all(c.has_codebook and c.bits in DECODE_BITS for c in (get_format(n).key, get_format(n).value))]
+    assert served == ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "turboquant_k4v3_nc",
+                      "turboquant_k3v2_nc", "turboquant_2bit_nc"]
+
+
+PROBE = r'''
+import os, subprocess, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile as triton_compile, make_backend
+from triton.runtime import jit as tjit
+from triton.experimental.gluon._runtime import GluonASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+binders = {}
+
+def probe_run(self, *args, grid, warmup, **kwargs):
+    kwargs["debug"] = False
+    kwargs["instrumentation_mode"] = ""
+    if self not in binders:
+        binders[self] = tjit.create_function_from_signature(self.signature, self.params, BACKEND)
+    bound_args, spec, options = binders[self](*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, spec, options)
+    src_cls = GluonASTSource if getattr(self, "is_gluon", lambda: False)() else triton.compiler.ASTSource
+    k = triton_compile(src_cls(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    import re
+    print(self.fn.__name__, re.search(r"STACK:(\d+)", res).group(1), k.metadata.shared, flush=True)
+    return None
+
+tjit.JITFunction.run = probe_run
+from turboquant_core.ops import paged_decode
+from turboquant_core.ops.page_layout import _cache_views, allocate_kv_cache, paged_layout
+from turboquant_core.ops.paged_attention import TQAttentionPlan
+
+fmt, d, hq, hkv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+lay = paged_layout(fmt, head_dim=d, block_size=16)
+cache = allocate_kv_cache(4, hkv, lay)
+plan = TQAttentionPlan(lay, hq, hkv, "cpu", workspace_bytes=8 << 20)
+plan.decode_words = (paged_decode.codebook_permute_words(plan.k_tables.cent_f16[0]),
+                     paged_decode.codebook_permute_words(plan.v_tables.cent_f16[0]))
+table = torch.zeros(4, 8, dtype=torch.int32)
+plan.plan(table, torch.arange(5, dtype=torch.int32), torch.full((4,), 100, dtype=torch.int32), num_tokens=4,
+          max_query_len=1, max_seq_len=100, causal=True)
+plan.decode_splits = 2
+q = torch.zeros(4, hq, d, dtype=torch.bfloat16)
+u8, f16 = _cache_views(cache, lay, hkv)
+paged_decode.run_decode(plan, q, u8, f16, torch.empty_like(q), None)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,d,hq,hkv", [
+    ("turboquant_k3v4_nc", 128, 32, 8),  # Qwen3-8B heads
+    ("turboquant_4bit_nc", 64, 9, 3),  # SmolLM2 heads
+    ("turboquant_2bit_nc", 128, 4, 1),
+    ("turboquant_k4v3_nc", 128, 64, 4),  # a group of 16
+])
+def test_decode_kernels_compile_for_sm90_without_spills_or_shared_memory(fmt, d, hq, hkv):
+    """The register-tile layouts convert trivially (``assert_trivial`` fails the compile otherwise); the
+    attention kernel neither spills nor touches shared memory, and the helpers do not spill."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", PROBE, fmt, str(d), str(hq), str(hkv)], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=ROOT)
+    if p.returncode != 0:
+        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
+    res = {name: (int(stack), int(shared)) for name, stack, shared in
+           (line.split() for line in p.stdout.strip().splitlines())}
+    assert set(res) == {"tq_rotate_queries_kernel", "tq_paged_decode_kernel", "tq_merge_unrotate_kernel"}
+    assert res["tq_paged_decode_kernel"] == (0, 0)
+    assert all(stack == 0 for stack, _ in res.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc", "turboquant_2bit_nc",
+                                  "turboquant_k4v3_nc", "turboquant_k3v2_nc"])
+@pytest.mark.parametrize("d,group", [(64, 3), (128, 4), (128, 8), (64, 1), (128, 16)])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_register_tile_decode_matches_reference_and_triton(name, d, group, splits):
+    # Contexts of 1, a partial tile, a partial page past whole tiles, and several tiles.
+    lay, cache, bt, qsl, sl, q = _paged_batch(name, d, 2, group, [1, 37, 64, 213], [1, 1, 1, 1], "cuda", seed=3)
+    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=1, max_seq_len=213, num_splits=splits)
+    assert plan.decode_splits > 0
+    out, lse = plan.run(q, cache, return_lse=True)
+    ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
+    _check(out, lse, ref_out, ref_lse)
+    plan.decode_splits = 0
+    tri_out, tri_lse = plan.run(q, cache, return_lse=True)
+    torch.testing.assert_close(out.float(), tri_out.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_register_tile_decode_in_a_cuda_graph():
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [5, 300], [1, 1], "cuda")
+    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+    plan.plan(bt, qsl, sl, num_tokens=2, max_query_len=1, max_seq_len=4096)
+    out = torch.empty_like(q)
+    plan.run(q, cache, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run(q, cache, out=out)
+    out.zero_()
+    g.replay()
+    ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=1e-2)

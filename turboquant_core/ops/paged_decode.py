@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode attention with the dequantized tiles built in tensor-core registers (``kernels.paged_decode_jit``).
+
+``TQAttentionPlan`` takes this path for decode batches it serves (``decode_path_applies``): one query per
+request, causal, no sliding window, no key centering, codebook keys and values of one 2- to 4-bit segment
+each, head_dim 64 or 128, a CUDA device (compute capability 8.0 or newer; not the Triton interpreter).
+Three launches: the queries rotated into the kernel's K order (``tq_rotate_queries_kernel``), the attention
+(one warp per request, KV head and split), and the split merge with the rotation back
+(``tq_merge_unrotate_kernel``). Same math and reference as ``ops.paged_attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from .page_layout import PagedTQLayout, _ComponentTables
+from .rotation_tables import codec_tables, padded_rotated_order
+
+LN2 = math.log(2.0)
+DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a warp's registers
+DECODE_BITS = (2, 3, 4)
+DECODE_BLOCK_N = 16  # tokens per tile (benchmarks/results/2026-11-24-h100-register-tile-decode/)
+DECODE_MAX_GROUP = 16
+# Programs to aim for when splitting the KV range: one-warp programs, many resident per SM.
+DECODE_PROGRAMS_PER_SM = 16
+ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
+
+
+def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
+                        causal: bool, sliding_window: int | None, centering) -> bool:
+    """Whether ``TQAttentionPlan`` runs this batch on the register-tile decode kernel."""
+    fmt = layout.fmt
+    one_segment = all(c.has_codebook and c.bits in DECODE_BITS for c in (fmt.key, fmt.value))
+    return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and group <= DECODE_MAX_GROUP
+            and max_query_len == 1 and causal and sliding_window is None and centering is None
+            and _gluon_runs(str(device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _gluon_runs(device: str) -> bool:
+    import os
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def decode_key_order(dim: int) -> torch.Tensor:
+    """Rotated coordinate at each position of the decode kernel's K^T tile: field j of group g = GR*gl + gr
+    at j0 + 2*gl + 8*j1 + 16*j2 + 32*gr (GR = dim/32; coordinate j*G + g, G = dim/8)."""
+    g_count, gr_count = dim // 8, dim // 32
+    pos = torch.empty(dim, dtype=torch.long)
+    for g in range(g_count):
+        gl, gr = divmod(g, gr_count)
+        for j in range(8):
+            pos[(j & 1) + 2 * gl + 8 * ((j >> 1) & 1) + 16 * (j >> 2) + 32 * gr] = j * g_count + g
+    return pos
+
+
+def decode_value_order(dim: int) -> torch.Tensor:
+    """Rotated coordinate at each position of the decode kernel's V tile: field j of group g = GRV*gl + gr
+    at gl + 8*j0 + 16*j1 + 32*j2 + 64*gr (GRV = dim/64)."""
+    g_count, gr_count = dim // 8, max(dim // 64, 1)
+    pos = torch.empty(dim, dtype=torch.long)
+    for g in range(g_count):
+        gl, gr = divmod(g, gr_count)
+        for j in range(8):
+            pos[gl + 8 * (j & 1) + 16 * ((j >> 1) & 1) + 32 * (j >> 2) + 64 * gr] = j * g_count + g
+    return pos
+
+
+@functools.lru_cache(maxsize=64)
+def _ordered_rotation(dim: int, bits: float, seed: int, device: str, value: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rot_hi, rot_lo) rows of the codec's rotation in the decode kernel's K (or V) order."""
+    tables = codec_tables(dim, bits, seed, device)
+    row_of = {c: i for i, c in enumerate(padded_rotated_order(tables).tolist()) if c >= 0}
+    want = (decode_value_order if value else decode_key_order)(dim).tolist()
+    src = torch.tensor([row_of[c] for c in want], dtype=torch.long, device=tables.rot_hi.device)
+    return tables.rot_hi[src].contiguous(), tables.rot_lo[src].contiguous()
+
+
+def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
+    """The byte-permute lookup's 8 codebook words (``codebook_lookup_jit._codebook_bytes``) as int32 values:
+    lo_k / hi_k hold the low / high bytes of fp16 entries 4k..4k+3; words past the codebook repeat lo0 / hi0."""
+    bits = cent_f16.detach().cpu().view(torch.int16).to(torch.int64).bitwise_and(0xFFFF).tolist()
+
+    def word(k: int, high: bool) -> int:
+        if 4 * k >= len(bits):
+            k = 0
+        w = 0
+        for e in range(4):
+            v = bits[4 * k + e] if 4 * k + e < len(bits) else 0
+            w |= ((v >> 8) if high else (v & 0xFF)) << (8 * e)
+        return w - (1 << 32) if w >= 1 << 31 else w
+
+    return tuple(word(k, False) for k in range(4)) + tuple(word(k, True) for k in range(4))
+
+
+def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
+                      max_splits: int) -> int:
+    from .paged_attention import _sm_count
+
+    target = DECODE_PROGRAMS_PER_SM * _sm_count(str(device))
+    return max(1, min(triton.cdiv(target, max(num_reqs * num_kv_heads, 1)), max(max_seq_len // min_tokens, 1),
+                      max_splits))
+
+
+def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements the decode path needs: partial outputs and log-sum-exps per split + fp16 rotated queries."""
+    return num_splits * num_tokens * num_q_heads * (head_dim + 1) + (num_tokens * num_q_heads * head_dim + 1) // 2
+
+
+def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor | None) -> None:
+    """The three launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
+    from ..kernels.paged_decode_jit import (
+        tq_merge_unrotate_kernel,
+        tq_paged_decode_kernel,
+        tq_rotate_queries_kernel,
+        word_layouts,
+    )
+
+    lay: PagedTQLayout = plan.layout
+    d = lay.head_dim
+    kt: _ComponentTables = plan.k_tables
+    vt: _ComponentTables = plan.v_tables
+    tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
+    s = plan.decode_splits
+    ws = plan.workspace
+    n_o = s * tq * hq * d
+    part_o = ws[:n_o].view(s, tq, hq, d)
+    part_l = ws[n_o : n_o + s * tq * hq].view(s, tq, hq)
+    q_off = n_o + s * tq * hq
+    qrot = ws[q_off : q_off + (tq * hq * d + 1) // 2].view(torch.float16)[: tq * hq * d].view(tq, hq, d)
+    f = lay.fmt
+    krot = _ordered_rotation(d, f.key.bits, f.key_seed, str(q.device), False)
+    vrot = _ordered_rotation(d, f.value.bits, f.value_seed, str(q.device), True)
+    rows = tq * hq
+    grid_rows = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
+    tq_rotate_queries_kernel[grid_rows](
+        q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows,
+        plan.softmax_scale * kt.codec.rot_scale / LN2,
+        HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
+    kw_l, vw_l = word_layouts(d, DECODE_BLOCK_N)
+    plan.last_compiled = tq_paged_decode_kernel[(plan.num_reqs, hkv, s)](
+        qrot, qrot.stride(0), qrot.stride(1),
+        cache_u8, cache_f16, cache_u8.stride(0), cache_u8.stride(1),
+        plan.block_table, plan.block_table.stride(0), plan.query_start_loc, plan.seq_lens,
+        *plan.decode_words[0], *plan.decode_words[1],
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        s,
+        DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
+        KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
+        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
+        KW_LAYOUT=kw_l, VW_LAYOUT=vw_l, num_warps=1,
+    )
+    write_lse = lse is not None
+    lse_arg = lse if write_lse else out
+    tq_merge_unrotate_kernel[grid_rows](
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, s,
+        vt.codec.rot_scale, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot, S_PAD=triton.next_power_of_2(s),
+        BR=ROWS_PER_PROGRAM, WRITE_LSE=write_lse, num_warps=4)
