@@ -44,6 +44,9 @@ def run_case(fmt: str, batch: int, context: int, device: str, smoke: bool) -> di
     tq_key_center_sums(cache, lay, cent, bt, sl, sums)
     plan = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=64 << 20)
     plan.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context)
+    tri = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=64 << 20)
+    tri.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context)
+    tri.decode_splits = 0  # the Triton kernel, which the plan keeps where the register-tile one does not apply
     out = torch.empty_like(q)
     g = torch.Generator(device=device).manual_seed(1)
     k = torch.randn(batch, HKV, D, device=device, dtype=torch.bfloat16, generator=g)
@@ -53,6 +56,8 @@ def run_case(fmt: str, batch: int, context: int, device: str, smoke: bool) -> di
     fns = {
         "attention_plain": lambda: plan.run(q, cache, out=out),
         "attention_centred": lambda: plan.run(q, cache, out=out, centering=cent, center_sums=sums),
+        "attention_plain_triton": lambda: tri.run(q, cache, out=out),
+        "attention_centred_triton": lambda: tri.run(q, cache, out=out, centering=cent, center_sums=sums),
         "store_plain": lambda: tq_store(k, v, cache, slots, lay),
         "store_centred": lambda: tq_store(k, v, cache, slots, lay, centering=cent, query_start_loc=qsl, seq_lens=sl,
                                           block_table=bt, center_sums=sums),
@@ -61,7 +66,8 @@ def run_case(fmt: str, batch: int, context: int, device: str, smoke: bool) -> di
                                                  single_token_requests=True),
         "sums": lambda: tq_key_center_sums(cache, lay, cent, bt, sl, sums),
     }
-    row = dict(format=fmt, batch=batch, context=context, num_splits=plan.num_splits)
+    row = dict(format=fmt, batch=batch, context=context, num_splits=plan.decode_splits or plan.num_splits,
+               decode_kernel="register-tile" if plan.decode_splits else "triton", triton_num_splits=tri.num_splits)
     for name, fn in fns.items():
         if smoke:
             fn()

@@ -279,6 +279,8 @@ def _check(out, lse, ref_out, ref_lse):
     ("turboquant_k3v4_nc", 64, 4, True, 1, None),
     ("turboquant_4bit_nc", 128, 2, False, 3, None),
     ("turboquant_3bit_nc", 64, 3, True, 2, 33),
+    ("turboquant_k3v4_nc", 128, 4, True, None, None),
+    ("turboquant_k4v3_nc", 128, 8, False, 2, None),
 ])
 def test_centred_decode_attention_matches_reference(name, d, group, neox, splits, window, device):
     b = _Batch(name, d, 2, SEQS, STEPS, device, neox=neox)

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16
 from .codec_jit import _rotate_rows, _unrotate_rows
+from .key_centering_jit import _center_query_operands
 
 ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
@@ -90,15 +91,21 @@ def tq_paged_decode_kernel(
     BLOCK_TABLE, stride_bt, QUERY_START, SEQ_LENS,
     kc0, kc1, kc2, kc3, kc4, kc5, kc6, kc7, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
-    num_splits,
+    num_splits, CWZ, stride_ct, stride_ch2, CSCALE, stride_st, PAGE_COS16, PAGE_SIN16, num_pages,
     DP: gl.constexpr, GQ: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
     K_ROW: gl.constexpr, V_ROW: gl.constexpr, KW_LAYOUT: gl.constexpr, VW_LAYOUT: gl.constexpr,
+    CENTER: gl.constexpr, GQP: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warp each; one query per request (decode). Writes the split's
     normalized output in V order to PART_O[split, token, head, :DP] and its log2-sum-exp to PART_L.
-    KW_LAYOUT / VW_LAYOUT: the word tiles' layouts (``word_layouts``)."""
+    KW_LAYOUT / VW_LAYOUT: the word tiles' layouts (``word_layouts``).
+
+    ``CENTER`` (keys stored with key centering, ``key_centering_jit``): a tile lies in one page p (BN
+    divides the page size), whose tokens' scores get q . c_p = row scale * (w . PC[p] + z . PS[p]); w, z
+    and the row scales come from ``tq_center_queries_kernel`` (CWZ [T, Hq, 2, DP] fp16, CSCALE [T, Hq]),
+    GQP = GQ padded to a power of two. The GQP values go to the score rows through shared memory."""
     GR: gl.constexpr = DP // 32
     GRV: gl.constexpr = DP // 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -142,6 +149,18 @@ def tq_paged_decode_kernel(
     acc = gl.zeros([16, DP], gl.float32, layout=mma)
     head_off = kvh.to(gl.int64) * stride_ch
     bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
+    if CENTER:
+        cw_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, DP // 32], threads_per_warp=[1, 32],
+                                              warps_per_cta=[1, 1], order=[1, 0])
+        cr = gl.arange(0, GQP, layout=gl.SliceLayout(1, cw_l))
+        ci = gl.arange(0, DP, layout=gl.SliceLayout(0, cw_l))
+        cmask = (cr < GQ)[:, None] & (ci < DP)[None, :]
+        cptr = CWZ + tok * stride_ct + (kvh * GQ + cr)[:, None] * stride_ch2 + ci[None, :]
+        cw = gl.load(cptr, mask=cmask, other=0.0)
+        cz = gl.load(cptr + DP, mask=cmask, other=0.0)
+        cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cr, mask=cr < GQ, other=0.0)
+        gsm = gl.allocate_shared_memory(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]),
+                                        gl.zeros([16], gl.float32, layout=row_l))
     for start in range(lo, hi, BN):
         # Every global load of the tile first (K and V words, scales): their latencies overlap.
         tk = start + gl.arange(0, BN, layout=kt_l)
@@ -164,6 +183,15 @@ def tq_paged_decode_kernel(
         kt = gl.convert_layout(kt, b_op, assert_trivial=True)
         s = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=mma))
         s = s * k_scale[None, :]
+        if CENTER:
+            pg = gl.minimum(start // PAGE, num_pages - 1).to(gl.int64)
+            pc = gl.load(PAGE_COS16 + pg * DP + ci).to(gl.float32)
+            pz = gl.load(PAGE_SIN16 + pg * DP + ci).to(gl.float32)
+            g = gl.sum(cw.to(gl.float32) * pc[None, :] + cz.to(gl.float32) * pz[None, :], axis=1) * cscale
+            gsm.slice(0, GQP).store(g)
+            gl.thread_barrier()
+            s = s + gsm.load(row_l)[:, None]
+            gl.thread_barrier()
         s = gl.where(row_ok[:, None] & tmask[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -224,6 +252,31 @@ def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stri
     y = _rotate_rows(x, ROT_HI, ROT_LO, 0, DP, DP, EXACT) * scale
     tl.store(QROT + t[:, None] * stride_rt + h[:, None] * stride_rh + i[None, :], y.to(tl.float16),
              mask=rmask[:, None])
+
+
+@triton.jit
+def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_sr, stride_sh, CWZ, stride_ct,
+                             stride_ch, CSCALE, stride_st, center_scale,
+                             GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                             ROT_HALF: tl.constexpr, NEOX: tl.constexpr):
+    """Grid (requests, KV heads), one query per request: the key-centering operands of the GQA group's
+    queries (``key_centering_jit._center_query_operands``): w = q * mu, z = q * mup (natural order, fp16,
+    divided by the row scale) to CWZ[t, head, 0 / 1, :], the row scale to CSCALE[t, head]."""
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tok = tl.load(QUERY_START + req).to(tl.int64)
+    r = tl.arange(0, GQP)
+    i = tl.arange(0, D_PAD)
+    rmask = r < GQ
+    head = kvh * GQ + r
+    q = tl.load(Q + tok * stride_qt + head[:, None] * stride_qh + i[None, :],
+                mask=rmask[:, None] & (i < D)[None, :], other=0.0).to(tl.float32)
+    w, z, row_scale = _center_query_operands(q, SUMS, req.to(tl.int64) * stride_sr + kvh * stride_sh,
+                                             center_scale, D_PAD, ROT_HALF, NEOX)
+    base = CWZ + tok * stride_ct + head[:, None] * stride_ch + i[None, :]
+    tl.store(base, w, mask=rmask[:, None])
+    tl.store(base + D_PAD, z, mask=rmask[:, None])
+    tl.store(CSCALE + tok * stride_st + head, row_scale, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_pos", "stride_pot", "stride_pls", "stride_lh"])

@@ -202,7 +202,7 @@ class TQAttentionPlan:
         self.block_n = cfg.block_n or (128 if decode_sized else 64 if d <= 128 else 32)
         self.num_warps = cfg.num_warps or (4 if block_m <= 64 else 8)
         self.maxnreg = cfg.maxnreg or (128 if decode_sized else 0)
-        # Decode batches without key centering run on the register-tile kernel (``ops.paged_decode``).
+        # Decode batches run on the register-tile kernel where it serves them (``ops.paged_decode``).
         self.decode_splits = 0
         if self.decode_words is not None and decode_path_applies(
                 self.layout, g, self.device, max_query_len=max_query_len, causal=causal,
@@ -253,8 +253,9 @@ class TQAttentionPlan:
         lse_arg = lse if write_lse else out
         if tq == 0 or self.num_reqs == 0:
             return (out, lse) if return_lse else out
-        if self.decode_splits and centering is None:
-            run_decode(self, q, u8, f16, out, lse if write_lse else None)
+        if self.decode_splits and decode_path_applies(lay, self.group, self.device, max_query_len=1, causal=True,
+                                                      sliding_window=None, centering=centering):
+            run_decode(self, q, u8, f16, out, lse if write_lse else None, centering, center_sums)
             return (out, lse) if return_lse else out
         s = self.num_splits
         if s > 1:

@@ -2,11 +2,12 @@
 """Decode attention with the dequantized tiles built in tensor-core registers (``kernels.paged_decode_jit``).
 
 ``TQAttentionPlan`` takes this path for decode batches it serves (``decode_path_applies``): one query per
-request, causal, no sliding window, no key centering, codebook keys and values of one 2- to 4-bit segment
-each, head_dim 64 or 128, a CUDA device (compute capability 8.0 or newer; not the Triton interpreter).
-Three launches: the queries rotated into the kernel's K order (``tq_rotate_queries_kernel``), the attention
-(one warp per request, KV head and split), and the split merge with the rotation back
-(``tq_merge_unrotate_kernel``). Same math and reference as ``ops.paged_attention``.
+request, causal, no sliding window, codebook keys and values of one 2- to 4-bit segment each, head_dim 64
+or 128, with key centering a page size that is a multiple of the tile, a CUDA device (compute capability 8.0
+or newer; not the Triton interpreter). Three launches (four with key centering): the queries rotated into
+the kernel's K order (``tq_rotate_queries_kernel``; and their centering operands,
+``tq_center_queries_kernel``), the attention (one warp per request, KV head and split), and the split merge
+with the rotation back (``tq_merge_unrotate_kernel``). Same math and reference as ``ops.paged_attention``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device,
     fmt = layout.fmt
     one_segment = all(c.has_codebook and c.bits in DECODE_BITS for c in (fmt.key, fmt.value))
     return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and group <= DECODE_MAX_GROUP
-            and max_query_len == 1 and causal and sliding_window is None and centering is None
-            and _gluon_runs(str(device)))
+            and max_query_len == 1 and causal and sliding_window is None
+            and (centering is None or layout.block_size % DECODE_BLOCK_N == 0) and _gluon_runs(str(device)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -111,14 +112,17 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device
 
 
 def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
-    """float32 elements the decode path needs: partial outputs and log-sum-exps per split + fp16 rotated queries."""
-    return num_splits * num_tokens * num_q_heads * (head_dim + 1) + (num_tokens * num_q_heads * head_dim + 1) // 2
+    """float32 elements the decode path needs: partial outputs and log-sum-exps per split, fp16 rotated
+    queries, and the key-centering operands (fp16 w and z, an fp32 scale per row)."""
+    rows = num_tokens * num_q_heads
+    return num_splits * rows * (head_dim + 1) + (rows * head_dim + 1) // 2 + rows * head_dim + rows
 
 
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None) -> None:
-    """The three launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
+               lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
+    """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
     from ..kernels.paged_decode_jit import (
+        tq_center_queries_kernel,
         tq_merge_unrotate_kernel,
         tq_paged_decode_kernel,
         tq_rotate_queries_kernel,
@@ -137,6 +141,20 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     part_l = ws[n_o : n_o + s * tq * hq].view(s, tq, hq)
     q_off = n_o + s * tq * hq
     qrot = ws[q_off : q_off + (tq * hq * d + 1) // 2].view(torch.float16)[: tq * hq * d].view(tq, hq, d)
+    c_off = q_off + (tq * hq * d + 1) // 2
+    cwz = ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d)
+    cscale = ws[c_off + tq * hq * d : c_off + tq * hq * d + tq * hq].view(tq, hq)
+    gqp = triton.next_power_of_2(plan.group)
+    if centering is not None:
+        tq_center_queries_kernel[(plan.num_reqs, hkv)](
+            q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
+            center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
+            plan.softmax_scale / LN2, GQ=plan.group, GQP=gqp, D=d, D_PAD=d, ROT_HALF=centering.rot_half,
+            NEOX=centering.neox, num_warps=4)
+        page_cos, page_sin, num_pages = centering.page_cos16, centering.page_sin16, centering.num_pages
+    else:
+        page_cos = page_sin = cscale
+        num_pages = 1
     f = lay.fmt
     krot = _ordered_rotation(d, f.key.bits, f.key_seed, str(q.device), False)
     vrot = _ordered_rotation(d, f.value.bits, f.value_seed, str(q.device), True)
@@ -153,11 +171,11 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         plan.block_table, plan.block_table.stride(0), plan.query_start_loc, plan.seq_lens,
         *plan.decode_words[0], *plan.decode_words[1],
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        s,
+        s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
         DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
         KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
-        KW_LAYOUT=kw_l, VW_LAYOUT=vw_l, num_warps=1,
+        KW_LAYOUT=kw_l, VW_LAYOUT=vw_l, CENTER=centering is not None, GQP=gqp, num_warps=1,
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
