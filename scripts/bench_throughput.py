@@ -16,6 +16,14 @@ INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of several batch sizes at one 
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
 serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
+
+Per scenario, with vLLM's stats on (``disable_log_stats=False``; ``--no-engine-stats`` turns them off and drops
+these columns): the peak number of running sequences (``SchedulerStats.num_running_reqs`` of every engine step, read
+where ``LLMEngine.step`` hands them to its output processor: exact, no polling) and the time per output token from
+each request's ``RequestOutput.metrics`` (first and last token times): ``tpot_ms`` averages vLLM's per-request TPOT
+((last - first token) / (tokens - 1)), which counts decode steps shared with other requests' prefill chunks;
+``tpot_ms_no_prefill`` averages it over the requests whose first token came last, whose decode ran with no prefill of
+the scenario left (the decode-only number for S3's 8 x 32k prompts).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 # Scenarios by the names the throughput issue and the README use; S3 is meant for a Llama-3.1-8B shape
@@ -96,6 +105,103 @@ def parse_configs(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]]) -> dict:
+    """vllm.LLM arguments for one config serving ``scenarios`` (scripts/profile_decode.py builds its engine with
+    these too). ``args`` needs model, kv_cache_dtype, max_num_seqs (0: the largest batch), gpu_memory_utilization,
+    enforce_eager, max_num_batched_tokens and cudagraph_sizes (comma list, empty: vLLM's)."""
+    kwargs = dict(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=max(i + o for i, o, _ in scenarios) + 16,
+        max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
+        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    if args.cudagraph_sizes:
+        # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(v) for v in args.cudagraph_sizes.split(",")]}
+    return kwargs
+
+
+def worker_env(args: argparse.Namespace, install: str) -> dict[str, str]:
+    """The environment of a config's subprocess: its vLLM install first on PYTHONPATH, offline, no FlashInfer
+    sampler (as every run of this script had)."""
+    env = dict(os.environ)
+    pp = args.pythonpath_stock if install == "stock" else args.pythonpath_patched
+    if pp:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pp, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+class RunningPeak:
+    """The largest ``num_running_reqs`` of vLLM's per-step ``SchedulerStats`` since the last ``reset()``.
+
+    ``attach(llm)`` wraps ``llm.llm_engine.output_processor.update_scheduler_stats``, which ``LLMEngine.step``
+    calls once per engine step with that step's stats (vLLM 0.26: v1/engine/llm_engine.py, ``step``): one ``max``
+    per step in the front-end process, nothing polled. The stats exist only with ``disable_log_stats=False``."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+        self.steps = 0
+
+    def reset(self) -> None:
+        self.peak, self.steps = None, 0
+
+    def observe(self, stats) -> None:
+        n = getattr(stats, "num_running_reqs", None)
+        if n is None:
+            return
+        self.steps += 1
+        self.peak = n if self.peak is None else max(self.peak, n)
+
+    @classmethod
+    def attach(cls, llm) -> RunningPeak | None:
+        proc = getattr(getattr(llm, "llm_engine", None), "output_processor", None)
+        update = getattr(proc, "update_scheduler_stats", None)
+        if update is None:
+            return None
+        tracker = cls()
+
+        def update_and_observe(scheduler_stats, *a, **kw):
+            tracker.observe(scheduler_stats)
+            return update(scheduler_stats, *a, **kw)
+
+        proc.update_scheduler_stats = update_and_observe
+        return tracker
+
+
+def request_timings(outputs) -> list[tuple[float, float, int]]:
+    """(first token time, last token time, generated tokens) of each RequestOutput whose ``metrics`` (vLLM's
+    ``RequestStateStats``, set with log stats on) has them."""
+    rows = []
+    for o in outputs:
+        m = getattr(o, "metrics", None)
+        if m is not None and hasattr(m, "first_token_ts") and hasattr(m, "last_token_ts"):
+            rows.append((float(m.first_token_ts), float(m.last_token_ts), int(m.num_generation_tokens)))
+    return rows
+
+
+def tpot_stats(timings: Iterable[tuple[float, float, int]]) -> dict:
+    """Time per output token apart from prefill, from (first token time, last token time, generated tokens) per
+    request (seconds, one clock):
+
+    - ``tpot_ms``: the mean of vLLM's per-request TPOT, (last - first) / (tokens - 1) (the first token is the
+      prefill's); a request's decode steps may carry other requests' prefill chunks;
+    - ``tpot_ms_no_prefill``: the same mean over the requests whose first token came last (same step): when they
+      decode, every request of the scenario has finished its prefill.
+
+    Requests with fewer than two tokens or no timestamps are left out; none left: {}."""
+    rows = [(f, l, n) for f, l, n in timings if n > 1 and f > 0 and l >= f]
+    if not rows:
+        return {}
+    per = [(l - f) / (n - 1) for f, l, n in rows]
+    last_first = max(f for f, _, _ in rows)
+    late = [t for t, (f, _, _) in zip(per, rows) if f == last_first]
+    return dict(tpot_ms=1e3 * sum(per) / len(per), tpot_ms_no_prefill=1e3 * sum(late) / len(late),
+                tpot_requests=len(rows), tpot_requests_no_prefill=len(late))
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside one subprocess: one engine, every scenario, one JSON line on stdout."""
     import random
@@ -103,19 +209,14 @@ def worker(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     scenarios = parse_scenarios(args.scenarios)
-    max_len = max(i + o for i, o, _ in scenarios) + 16
-    kwargs = dict(
-        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=max_len, max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
-        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    if args.cudagraph_sizes:
-        # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(v) for v in args.cudagraph_sizes.split(",")]}
+    kwargs = engine_kwargs(args, scenarios)
+    max_len = kwargs["max_model_len"]
+    if not args.no_engine_stats:
+        kwargs["disable_log_stats"] = False  # LLM's default is True: no SchedulerStats, no RequestOutput.metrics
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
+    running = None if args.no_engine_stats else RunningPeak.attach(llm)
     cache = llm.llm_engine.vllm_config.cache_config
     rng = random.Random(0)
     rows = []
@@ -127,33 +228,37 @@ def worker(args: argparse.Namespace) -> None:
     for n_in, n_out, batch in scenarios:
         prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
         sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
+        if running is not None:
+            running.reset()
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         el = time.perf_counter() - t
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append(dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
-                         output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el))
+        row = dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
+                   output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el)
+        if running is not None and running.peak is not None:
+            row["peak_running_seqs"] = running.peak
+        row.update(tpot_stats(request_timings(outs)))
+        rows.append(row)
     import torch
     import vllm
 
     result = dict(device=torch.cuda.get_device_name(0), vllm_version=vllm.__version__, startup_s=startup,
-                  num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, scenarios=rows)
+                  num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
+                  engine_stats=not args.no_engine_stats, scenarios=rows)
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
 
 def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict:
-    env = dict(os.environ)
-    pp = args.pythonpath_stock if install == "stock" else args.pythonpath_patched
-    if pp:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pp, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    env = worker_env(args, install)
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
            "--max-num-seqs", str(args.max_num_seqs)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.no_engine_stats:
+        cmd.append("--no-engine-stats")
     print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}", flush=True)
     t = time.perf_counter()
     # Own process group: on a timeout the engine's worker processes go too (else they keep the GPU memory
@@ -183,24 +288,31 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict
     return row
 
 
+def _opt(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def summarize(rows: list[dict], baseline: str) -> str:
     base = next((r for r in rows if r["name"] == baseline and "scenarios" in r), None)
-    head = "| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 |"
-    lines = [head, "|" + "---|" * 8]
+    head = ("| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 "
+            "| peak running | TPOT ms | TPOT ms, no prefill |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "scenarios" not in r:
-            lines.append(f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | - | failed | - | - | - |")
+            lines.append(f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | - | failed |" + " - |" * 6)
             continue
         cap = r.get("kv_capacity_tokens")
         bcap = base.get("kv_capacity_tokens") if base else None
         for i, s in enumerate(r["scenarios"]):
             bs = base["scenarios"][i]["output_tok_per_s"] if base else None
-            lines.append(
+            stats = (f" {_opt(s.get('peak_running_seqs'), 'd')} | {_opt(s.get('tpot_ms'), '.1f')} | "
+                     f"{_opt(s.get('tpot_ms_no_prefill'), '.1f')} |")
+            lines.append((
                 f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/{s['output_len']}/"
                 f"{s['batch']} | {s['output_tok_per_s']:.0f} | {s['output_tok_per_s'] / bs:.2f}x | "
                 f"{cap if cap else '-'} | {(cap / bcap) if (cap and bcap) else float('nan'):.2f}x |"
                 if bs else f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/"
-                f"{s['output_len']}/{s['batch']} | {s['output_tok_per_s']:.0f} | - | {cap or '-'} | - |")
+                f"{s['output_len']}/{s['batch']} | {s['output_tok_per_s']:.0f} | - | {cap or '-'} | - |") + stats)
     return "\n".join(lines)
 
 
@@ -296,6 +408,8 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--cudagraph-sizes", default="", help="comma list of CUDA-graph capture sizes (default: vLLM's)")
     ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--no-engine-stats", action="store_true",
+                    help="leave vLLM's stats off (as before): no peak running / TPOT columns")
     ap.add_argument("--out", default="throughput.json")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an existing --out file and run only configs it does not have")

@@ -69,3 +69,75 @@ def test_report_only_redraws_table_and_sweep(bench, tmp_path):
     table = (tmp_path / "run.md").read_text()
     assert "| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x |" in table
     assert (tmp_path / "run-sweep.png").is_file()
+
+
+def test_engine_kwargs_and_env(bench, monkeypatch):
+    from argparse import Namespace
+
+    args = Namespace(model="m", kv_cache_dtype="turboquant_k3v4_nc", max_num_seqs=0, gpu_memory_utilization=0.9,
+                     enforce_eager=False, max_num_batched_tokens=8192, cudagraph_sizes="")
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("S1,S2"))
+    assert kw == dict(model="m", load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype="turboquant_k3v4_nc",
+                      max_model_len=2048 + 512 + 16, max_num_seqs=384, gpu_memory_utilization=0.9,
+                      enable_prefix_caching=False, seed=0, enforce_eager=False, max_num_batched_tokens=8192)
+    args.max_num_seqs, args.cudagraph_sizes = 512, "32,64"
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("S1"))
+    assert kw["max_num_seqs"] == 512 and kw["max_model_len"] == 1024 + 256 + 16
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [32, 64]}
+    import os
+
+    for var in ("HF_HUB_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    env = bench.worker_env(Namespace(pythonpath_stock="/s", pythonpath_patched="/p"), "stock")
+    assert env["PYTHONPATH"] == os.pathsep.join(["/s", "/x"])
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert bench.worker_env(Namespace(pythonpath_stock="/s", pythonpath_patched=""), "patched")["PYTHONPATH"] == "/x"
+
+
+def test_running_peak_wraps_the_engines_stats_hook(bench):
+    from types import SimpleNamespace
+
+    seen = []
+    proc = SimpleNamespace(update_scheduler_stats=seen.append)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(output_processor=proc))
+    peak = bench.RunningPeak.attach(llm)
+    for n in (3, 64, 17):
+        proc.update_scheduler_stats(SimpleNamespace(num_running_reqs=n, num_waiting_reqs=0))
+    proc.update_scheduler_stats(None)  # a step without stats
+    assert peak.peak == 64 and peak.steps == 3 and len(seen) == 4  # vLLM's own update still runs
+    peak.reset()
+    assert peak.peak is None
+    proc.update_scheduler_stats(SimpleNamespace(num_running_reqs=5))
+    assert peak.peak == 5
+    assert bench.RunningPeak.attach(SimpleNamespace(llm_engine=SimpleNamespace())) is None
+
+
+def test_tpot_apart_from_prefill(bench):
+    from types import SimpleNamespace
+
+    # Three requests of 11 tokens: the first two decode while the third still prefills (slow steps), the third
+    # after every prefill (first token last).
+    timings = [(1.0, 2.0, 11), (1.5, 2.5, 11), (2.0, 2.2, 11), (2.0, 2.3, 11), (3.0, 3.0, 1)]
+    t = bench.tpot_stats(timings)
+    assert t["tpot_ms"] == pytest.approx(1e3 * (0.1 + 0.1 + 0.02 + 0.03) / 4)
+    assert t["tpot_ms_no_prefill"] == pytest.approx(1e3 * (0.02 + 0.03) / 2)
+    assert t["tpot_requests"] == 4 and t["tpot_requests_no_prefill"] == 2
+    assert bench.tpot_stats([]) == {} and bench.tpot_stats([(0.0, 0.0, 5)]) == {}
+    outs = [SimpleNamespace(metrics=SimpleNamespace(first_token_ts=1.0, last_token_ts=2.0, num_generation_tokens=11)),
+            SimpleNamespace(metrics=None)]
+    assert bench.request_timings(outs) == [(1.0, 2.0, 11)]
+
+
+def test_summary_shows_peak_running_and_tpot(bench):
+    rows = _rows()
+    rows[1]["scenarios"][2].update(peak_running_seqs=512, tpot_ms=41.26, tpot_ms_no_prefill=30.04)
+    table = bench.summarize(rows, "bf16")
+    head = table.splitlines()[0]
+    assert head.endswith("| peak running | TPOT ms | TPOT ms, no prefill |")
+    assert ("| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x | 1000 | 1.00x | 512 | 41.3 | 30.0 |"
+            in table)
+    assert "| bf16 | patched | bf16 | 2048/512/32 | 100 | 1.00x | 1000 | 1.00x | - | - | - |" in table
+    failed = bench.summarize([dict(name="x", install="patched", kv_cache_dtype="auto")], "bf16")
+    assert failed.splitlines()[2] == "| x | patched | auto | - | failed | - | - | - | - | - | - |"
+    assert all(line.count("|") == 12 for line in table.splitlines() + failed.splitlines())
