@@ -26,10 +26,12 @@ Aggregation. GPU activity of the profiled window (kernels, memcpy, memset) divid
 the first rule of FAMILY_RULES whose case-insensitive regex is found in the kernel name wins, in this order:
   memcpy / memset  "Memcpy ...", "Memset ..." (torch.profiler's names)
   KV store         reshape_and_cache*, concat_and_cache*, tq_paged_store_kernel, stock's _tq_fused_store_*
-  key centring     key_center* (tq_key_center_sums_kernel)
-  split merge      tq_merge_splits_kernel, FlashAttention's split-KV combine (FA2 *splitkv_combine*, FA3
-                   FlashAttnFwdCombine), merge_attn_states, Triton decode's _fwd_kernel_stage2 (stock TurboQuant's too)
-  attention        flash_fwd*, FlashAttn*, flash::*, fmha, tq_paged_attention_kernel, tq_paged_gather_dequant_kernel,
+  key centring     key_center* (tq_key_center_sums_kernel), tq_center_queries_kernel
+  split merge      tq_merge_splits_kernel, tq_merge_unrotate_kernel, FlashAttention's split-KV combine (FA2
+                   *splitkv_combine*, FA3 FlashAttnFwdCombine), merge_attn_states, Triton decode's _fwd_kernel_stage2
+                   (stock TurboQuant's too)
+  attention        flash_fwd*, FlashAttn*, flash::*, fmha, tq_paged_attention_kernel, tq_paged_decode_kernel,
+                   tq_rotate_queries_kernel, tq_paged_gather_dequant_kernel,
                    stock's _tq_decode_stage1 / _tq_full_dequant_kv, *paged_attention*, *unified_attention*, Triton
                    decode's _fwd_kernel_stage1, FlashInfer
   GEMM             gemm, gemv, cutlass, nvjet, xmma, cublas, splitKreduce, wgmma, Inductor templates (triton_tem_)
@@ -96,10 +98,11 @@ STEP_MARK = "tq_decode_step_"
 FAMILY_RULES: tuple[tuple[str, str], ...] = (
     ("memcpy", r"^mem(cpy|set)\b"),  # torch.profiler's names of copies and memsets: "Memcpy DtoH (...)"
     ("kv_store", r"reshape_and_cache|concat_and_cache|tq_paged_store|tq_fused_store"),
-    ("key_centering", r"key_?cent"),  # tq_key_center_sums_kernel and any other key-centring kernel
-    ("split_merge", r"tq_merge_splits|splitkv_combine|flash_fwd_combine|FlashAttnFwdCombine|merge_attn_states|"
-                    r"fwd_kernel_stage2"),
-    ("attention", r"flash_fwd|flashattn|flash::|fmha|tq_paged_attention|tq_paged_gather_dequant|tq_decode_stage1|"
+    ("key_centering", r"key_?cent|center_queries"),  # the sums, and the queries' centring operands
+    ("split_merge", r"tq_merge_splits|tq_merge_unrotate|splitkv_combine|flash_fwd_combine|FlashAttnFwdCombine|"
+                    r"merge_attn_states|fwd_kernel_stage2"),
+    ("attention", r"flash_fwd|flashattn|flash::|fmha|tq_paged_attention|tq_paged_decode|tq_rotate_queries|"
+                  r"tq_paged_gather_dequant|tq_decode_stage1|"
                   r"tq_full_dequant|paged_attention|unified_attention|fwd_(grouped_)?kernel_stage1|flashinfer|"
                   r"BatchDecode|BatchPrefill"),
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688"),
@@ -325,6 +328,32 @@ def finish_run(raw: dict, *, kv_cache_dtype: str, shape: dict, gemm_weight_bytes
     run["limit_ms"] = sum(v["ms"] for v in limits.values()) if limits else None
     run["warnings"] = list(raw.get("warnings", [])) + coverage_warnings(run)
     return run
+
+
+def reclassify_top_kernels(doc: dict) -> bool:
+    """Apply today's FAMILY_RULES to a stored profile's top kernels: a kernel now in another family moves its
+    ms there (shares and ms per 100 sequences follow; a note goes to the run's warnings). Kernels outside the
+    top list stay where the run put them. Returns whether anything moved."""
+    moved = False
+    for run in doc.get("runs", []):
+        fams = run.get("families")
+        if not fams:
+            continue
+        step, running = run.get("step_ms"), run.get("running_seqs")
+        for k in run.get("top_kernels", []):
+            new = classify(k["name"])
+            if new == k["family"]:
+                continue
+            for fam, sign in ((k["family"], -1), (new, 1)):
+                f = fams[fam]
+                f["ms"] = max(0.0, f["ms"] + sign * k["ms_per_step"])
+                f["share"] = f["ms"] / step if step else None
+                f["ms_per_100_seqs"] = 100 * f["ms"] / running if running else None
+            run.setdefault("warnings", []).append(
+                f"reclassified {k['name']} ({k['ms_per_step']:.3f} ms) from {k['family']} to {new}")
+            k["family"] = new
+            moved = True
+    return moved
 
 
 def scenario_label(sc: tuple[int, int, int]) -> str:
@@ -788,7 +817,10 @@ def main(argv=None) -> int:
         os._exit(0)
     if args.report_only:
         src = Path(args.report_only)
-        md = render_markdown(json.loads(src.read_text()), args.baseline)
+        doc = json.loads(src.read_text())
+        if reclassify_top_kernels(doc):
+            src.write_text(json.dumps(doc, indent=1) + "\n")
+        md = render_markdown(doc, args.baseline)
         src.with_name("profile.md").write_text(md + "\n")
         print(md)
         return 0

@@ -44,6 +44,10 @@ KERNELS = [
     ("void flash::prepare_varlen_num_blocks_kernel(int, int, int, int const*, int const*, int*)", "attention"),
     # ours
     ("tq_paged_attention_kernel", "attention"),
+    ("tq_paged_decode_kernel", "attention"),
+    ("tq_rotate_queries_kernel", "attention"),
+    ("tq_merge_unrotate_kernel", "split_merge"),
+    ("tq_center_queries_kernel", "key_centering"),
     ("tq_paged_gather_dequant_kernel", "attention"),
     ("tq_merge_splits_kernel", "split_merge"),
     ("tq_paged_store_kernel", "kv_store"),
@@ -426,3 +430,19 @@ def test_profile_scenario_windows(prof, monkeypatch, tmp_path, prefill_at, pure,
     assert out["kernels_per_step"] == 0 and out["busy_ms"] == 0 and set(out["family_ms"]) == set(prof.FAMILIES)
     assert out["trace"] == "trace-bf16-8x16x6.json.gz" and (tmp_path / out["trace"]).is_file()
     assert sorted(llm.aborted) == [str(i) for i in range(6)] and not sched.has_requests()
+
+
+def test_report_only_moves_top_kernels_classified_under_older_rules(prof):
+    pd = prof
+    run = dict(step_ms=10.0, running_seqs=50, warnings=[],
+               families={f: dict(ms=0.0, share=0.0, ms_per_100_seqs=0.0, limit_ms=None) for f in pd.FAMILIES},
+               top_kernels=[dict(name="tq_paged_decode_kernel", family="other", ms_per_step=3.0),
+                            dict(name="nvjet_sm90_tst_192x64", family="gemm", ms_per_step=2.0)])
+    run["families"]["other"]["ms"] = 3.5
+    run["families"]["gemm"]["ms"] = 2.0
+    doc = dict(runs=[run])
+    assert pd.reclassify_top_kernels(doc)
+    assert run["families"]["attention"]["ms"] == 3.0 and run["families"]["attention"]["ms_per_100_seqs"] == 6.0
+    assert abs(run["families"]["other"]["ms"] - 0.5) < 1e-9 and run["families"]["gemm"]["ms"] == 2.0
+    assert run["top_kernels"][0]["family"] == "attention" and "reclassified" in run["warnings"][0]
+    assert not pd.reclassify_top_kernels(doc)
