@@ -113,6 +113,7 @@ def tq_paged_decode_kernel(
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     kw_l: gl.constexpr = KW_LAYOUT
     vw_l: gl.constexpr = VW_LAYOUT
+    gl.static_assert(PAGE % BN == 0, "a tile lies in one page")
     kt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, kw_l))
     vt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, vw_l))
     st_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -162,21 +163,20 @@ def tq_paged_decode_kernel(
         gsm = gl.allocate_shared_memory(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]),
                                         gl.zeros([16], gl.float32, layout=row_l))
     for start in range(lo, hi, BN):
-        # Every global load of the tile first (K and V words, scales): their latencies overlap.
-        tk = start + gl.arange(0, BN, layout=kt_l)
-        pk = gl.load(bt_row + tk // PAGE, mask=tk < hi, other=0).to(gl.int64)
-        tv = start + gl.arange(0, BN, layout=vt_l)
-        pvg = gl.load(bt_row + tv // PAGE, mask=tv < hi, other=0).to(gl.int64)
-        ts = start + gl.arange(0, BN, layout=st_l)
-        tmask = ts < hi
-        ps = gl.load(bt_row + ts // PAGE, mask=tmask, other=0).to(gl.int64)
-        krow = pk * stride_cb + head_off + K_IDX_OFF + (tk % PAGE) * K_ROW
-        kw = _load_words(CACHE, krow[:, None, None], KG, kgofs, KB)
-        vrow = pvg * stride_cb + head_off + V_IDX_OFF + (tv % PAGE) * V_ROW
-        vw = _load_words(CACHE, vrow[:, None, None], VG, vgofs, VB)
-        sbase = (ps * stride_cb + head_off) // 2 + ts % PAGE
-        k_scale = gl.load(CACHE16 + sbase + K_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
-        v_scale = gl.load(CACHE16 + sbase + V_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
+        # The tile lies in one page (BN divides the page size): one block-table entry, then every global load
+        # of the tile (K and V words, scales) from that page's base, so their latencies overlap.
+        page = gl.load(bt_row + start // PAGE).to(gl.int64)
+        pbase = CACHE + page * stride_cb + head_off
+        poff = start % PAGE
+        tk = poff + gl.arange(0, BN, layout=kt_l)
+        kw = _load_words(pbase + K_IDX_OFF, (tk * K_ROW)[:, None, None], KG, kgofs, KB)
+        tv = poff + gl.arange(0, BN, layout=vt_l)
+        vw = _load_words(pbase + V_IDX_OFF, (tv * V_ROW)[:, None, None], VG, vgofs, VB)
+        ts = gl.arange(0, BN, layout=st_l)
+        tmask = start + ts < hi
+        sbase = CACHE16 + (page * stride_cb + head_off) // 2 + poff + ts
+        k_scale = gl.load(sbase + K_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
+        v_scale = gl.load(sbase + V_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
         # keys: words -> K^T tile in B-operand registers -> scores
         kf = _fields(kw, kc0, kc1, kc2, kc3, kc4, kc5, kc6, kc7, KB)  # [BN, 4, GR, 2, 2, 2]
         kt = gl.reshape(gl.permute(kf, [2, 5, 4, 1, 3, 0]), [DP, BN])
@@ -195,9 +195,12 @@ def tq_paged_decode_kernel(
         s = gl.where(row_ok[:, None] & tmask[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        # Rescale the accumulator only in tiles that raise some row's maximum (the first tiles, mostly).
+        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+            acc = acc * alpha[:, None]
         m_i = m_new
         # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
         pv = gl.convert_layout((p * v_scale[None, :]).to(gl.float16), a_op, assert_trivial=True)
@@ -205,7 +208,7 @@ def tq_paged_decode_kernel(
         vf = _fields(vw, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, VB)  # [BN, 8, GRV, 2, 2, 2]
         vt = gl.reshape(gl.permute(vf, [0, 2, 5, 4, 3, 1]), [BN, DP])
         vt = gl.convert_layout(vt, b_op, assert_trivial=True)
-        acc = mma_v2(pv, vt, acc * alpha[:, None])
+        acc = mma_v2(pv, vt, acc)
 
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -98,7 +98,9 @@ def tq_paged_store_kernel(
     BN: tl.constexpr, CENTER_MODE: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
-    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv). Slot < 0: token skipped.
+    """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv, 2): keys, then values, in
+    separate programs (decode batches have few tokens: twice the programs, half the latency chain each; one
+    in mode 2). Slot < 0: token skipped.
 
     Key centering (``key_centering_jit``) stores a sequence in two passes around the launch that derives
     its centre from the first page: ``CENTER_MODE`` 0: no centering (K and V of every token); 1: V of
@@ -120,31 +122,32 @@ def tq_paged_store_kernel(
     tok64 = tok.to(tl.int64)
     key_rows = KEY + tok64[:, None] * stride_kt + head * stride_kh + i[None, :]
 
-    k_plain = ok
-    if CENTER_MODE > 0:
-        req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
-        k_plain = ok & (pos >= 0) & (pos < PAGE)
-    if CENTER_MODE >= 2:
-        k_later = ok & (pos >= PAGE)
-    # Mode 3 runs both key passes in one program; a decode tile usually has rows for one of them only, so a pass
-    # with no row to store is skipped (a run-time branch on the tile) rather than encoded fully masked.
-    if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
-        if CENTER_MODE != 3 or tl.max(k_plain.to(tl.int32), axis=0) > 0:
-            x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)
-            _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
-                        KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
-                        K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-    if CENTER_MODE >= 2:  # later keys minus their page's centre
-        if CENTER_MODE != 3 or tl.max(k_later.to(tl.int32), axis=0) > 0:
-            x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)
-            mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
-                                      D_PAD, ROT_HALF, NEOX)
-            pc, ps = _token_page_rows(pos, k_later, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
-            x = x.to(tl.float32) - (mu * pc + mup * ps)
-            _store_keys(x, k_later, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
-                        KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
-                        K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-    if CENTER_MODE != 2:  # (the second pass writes keys only)
+    if tl.program_id(2) == 0:  # keys
+        k_plain = ok
+        if CENTER_MODE > 0:
+            req, pos = _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, SEARCH_STEPS)
+            k_plain = ok & (pos >= 0) & (pos < PAGE)
+        if CENTER_MODE >= 2:
+            k_later = ok & (pos >= PAGE)
+        # Mode 3 runs both key passes in one program; a decode tile usually has rows for one of them only, so a pass
+        # with no row to store is skipped (a run-time branch on the tile) rather than encoded fully masked.
+        if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)
+            if CENTER_MODE != 3 or tl.max(k_plain.to(tl.int32), axis=0) > 0:
+                x = tl.load(key_rows, mask=k_plain[:, None] & (i < D)[None, :], other=0.0)
+                _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
+                            KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                            K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+        if CENTER_MODE >= 2:  # later keys minus their page's centre
+            if CENTER_MODE != 3 or tl.max(k_later.to(tl.int32), axis=0) > 0:
+                x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)
+                mu, mup = _center_vectors(SUMS, (req.to(tl.int64) * stride_sr + head * stride_sh)[:, None],
+                                          D_PAD, ROT_HALF, NEOX)
+                pc, ps = _token_page_rows(pos, k_later, PAGE_COS, PAGE_SIN, num_pages, D_PAD, PAGE)
+                x = x.to(tl.float32) - (mu * pc + mup * ps)
+                _store_keys(x, k_later, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
+                            KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
+                            K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+    elif CENTER_MODE != 2:  # values (mode 2 writes keys only: its grid has one entry in dim 2)
         y = tl.load(VALUE + tok64[:, None] * stride_vt + head * stride_vh + i[None, :], mask=dmask, other=0.0)
         v_scale = _mse_encode_rows(y, ok, CACHE, base + V_IDX_OFF + off * V_ROW, VROT_HI, VROT_LO, VROT_BF16,
                                    VLEV0, VBND0, VLEV1, VBND1, v_rot_scale, sqrt_d,

@@ -110,11 +110,11 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     kc, vc = kt.codec, vt.codec
     klev0, kbnd0, klev1, kbnd1 = kc.encode_tables()
     vlev0, vbnd0, vlev1, vbnd1 = vc.encode_tables()
-    bn = 32 if kc.dim_pad <= 128 else 16
-    grid = (triton.cdiv(num_tokens, bn), num_kv_heads)
+    bn = 16  # rows per program: decode batches have few tokens, so more and shorter programs
 
     def launch(mode: int) -> None:
         cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
+        grid = (triton.cdiv(num_tokens, bn), num_kv_heads, 1 if mode == 2 else 2)
         tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),

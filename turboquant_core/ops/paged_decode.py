@@ -3,8 +3,8 @@
 
 ``TQAttentionPlan`` takes this path for decode batches it serves (``decode_path_applies``): one query per
 request, causal, no sliding window, codebook keys and values of one 2- to 4-bit segment each, head_dim 64
-or 128, with key centering a page size that is a multiple of the tile, a CUDA device (compute capability 8.0
-or newer; not the Triton interpreter). Three launches (four with key centering): the queries rotated into
+or 128, a page size that is a multiple of the 16-token tile, a CUDA device (compute capability 8.0 or newer;
+not the Triton interpreter). Three launches (four with key centering): the queries rotated into
 the kernel's K order (``tq_rotate_queries_kernel``; and their centering operands,
 ``tq_center_queries_kernel``), the attention (one warp per request, KV head and split), and the split merge
 with the rotation back (``tq_merge_unrotate_kernel``). Same math and reference as ``ops.paged_attention``.
@@ -38,7 +38,7 @@ def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device,
     one_segment = all(c.has_codebook and c.bits in DECODE_BITS for c in (fmt.key, fmt.value))
     return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and group <= DECODE_MAX_GROUP
             and max_query_len == 1 and causal and sliding_window is None
-            and (centering is None or layout.block_size % DECODE_BLOCK_N == 0) and _gluon_runs(str(device)))
+            and layout.block_size % DECODE_BLOCK_N == 0 and _gluon_runs(str(device)))
 
 
 @functools.lru_cache(maxsize=8)
