@@ -84,6 +84,33 @@ def _load_words(CACHE, row, PLANE: gl.constexpr, gofs, B: gl.constexpr):
     return word
 
 
+@gluon.constexpr_function
+def key_word_layout(dp, bn):
+    """The K word tile's register layout [BN, 4, DP/32] for one warp, such that its dequantized fields form the
+    MMA B operand with no data movement (module docstring): lanes 0-1 -> gl, lanes 2-4 -> token bits 0-2;
+    registers -> gr bits, then token bits 3.. . A thread's groups come first among its registers: their bytes
+    are contiguous, one vector load per plane. (Built at compile time from ints, so launches pass no layout
+    object: Triton's compile hooks serialize every constexpr argument as JSON.)"""
+    gr = dp // 32
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(gr.bit_length() - 1)]
+        + [[8 << i, 0, 0] for i in range(bn.bit_length() - 4)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[], block_bases=[], shape=[bn, 4, gr])
+
+
+@gluon.constexpr_function
+def value_word_layout(dp, bn):
+    """The V word tile's register layout [BN, 8, DP/64]: lanes 0-1 -> token bits 1-2, lanes 2-4 -> gl;
+    registers -> gr bits, token bit 0, then token bits 3.. ."""
+    grv = dp // 64
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(grv.bit_length() - 1)] + [[1, 0, 0]]
+        + [[8 << i, 0, 0] for i in range(bn.bit_length() - 4)],
+        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[], block_bases=[], shape=[bn, 8, grv])
+
+
 @gluon.jit
 def tq_paged_decode_kernel(
     QROT, stride_qt, stride_qh,
@@ -95,12 +122,10 @@ def tq_paged_decode_kernel(
     DP: gl.constexpr, GQ: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    K_ROW: gl.constexpr, V_ROW: gl.constexpr, KW_LAYOUT: gl.constexpr, VW_LAYOUT: gl.constexpr,
-    CENTER: gl.constexpr, GQP: gl.constexpr,
+    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, GQP: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warp each; one query per request (decode). Writes the split's
     normalized output in V order to PART_O[split, token, head, :DP] and its log2-sum-exp to PART_L.
-    KW_LAYOUT / VW_LAYOUT: the word tiles' layouts (``word_layouts``).
 
     ``CENTER`` (keys stored with key centering, ``key_centering_jit``): a tile lies in one page p (BN
     divides the page size), whose tokens' scores get q . c_p = row scale * (w . PC[p] + z . PS[p]); w, z
@@ -111,8 +136,8 @@ def tq_paged_decode_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    kw_l: gl.constexpr = KW_LAYOUT
-    vw_l: gl.constexpr = VW_LAYOUT
+    kw_l: gl.constexpr = key_word_layout(DP, BN)
+    vw_l: gl.constexpr = value_word_layout(DP, BN)
     gl.static_assert(PAGE % BN == 0, "a tile lies in one page")
     kt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, kw_l))
     vt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, vw_l))
@@ -219,25 +244,6 @@ def tq_paged_decode_kernel(
     gl.store(PART_O + sp * stride_pos + tok * stride_pot + heads[:, None] * stride_poh + oi[None, :], o,
              mask=row_ok[:, None] & (oi < DP)[None, :])
     gl.store(PART_L + sp * stride_pls + tok * stride_plt + heads, lse2, mask=row_ok)
-
-
-def word_layouts(dp: int, bn: int) -> tuple:
-    """The K and V word tiles' register layouts ([BN, 4, DP/32] and [BN, 8, DP/64]) for one warp, such that
-    their dequantized fields form the MMA B operands with no data movement (module docstring).
-    K: lanes 0-1 -> gl, lanes 2-4 -> token bits 0-2; registers -> gr bits, token bits 3.. .
-    V: lanes 0-1 -> token bits 1-2, lanes 2-4 -> gl; registers -> gr bits, token bit 0, token bits 3.. .
-    A thread's groups come first among its registers: their bytes are contiguous, one vector load per plane."""
-    gr, grv = dp // 32, dp // 64
-    tok_hi = [[8 << i, 0, 0] for i in range(bn.bit_length() - 4)]
-    kw = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << i] for i in range(gr.bit_length() - 1)] + tok_hi,
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[], block_bases=[], shape=[bn, 4, gr])
-    vw = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << i] for i in range(grv.bit_length() - 1)] + [[1, 0, 0]] + tok_hi,
-        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[], block_bases=[], shape=[bn, 8, grv])
-    return kw, vw
 
 
 @triton.jit

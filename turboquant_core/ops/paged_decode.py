@@ -126,7 +126,6 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         tq_merge_unrotate_kernel,
         tq_paged_decode_kernel,
         tq_rotate_queries_kernel,
-        word_layouts,
     )
 
     lay: PagedTQLayout = plan.layout
@@ -164,7 +163,6 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows,
         plan.softmax_scale * kt.codec.rot_scale / LN2,
         HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
-    kw_l, vw_l = word_layouts(d, DECODE_BLOCK_N)
     plan.last_compiled = tq_paged_decode_kernel[(plan.num_reqs, hkv, s)](
         qrot, qrot.stride(0), qrot.stride(1),
         cache_u8, cache_f16, cache_u8.stride(0), cache_u8.stride(1),
@@ -175,7 +173,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
         KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
-        KW_LAYOUT=kw_l, VW_LAYOUT=vw_l, CENTER=centering is not None, GQP=gqp, num_warps=1,
+        CENTER=centering is not None, GQP=gqp, num_warps=1,
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
