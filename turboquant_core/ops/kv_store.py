@@ -115,6 +115,8 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     def launch(mode: int) -> None:
         cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
         grid = (triton.cdiv(num_tokens, bn), num_kv_heads, 1 if mode == 2 else 2)
+        # Mode 3 holds both key passes in one program: at 4 warps that needs more than the 128 registers per
+        # thread ptxas gives it (a stack frame on sm_90); 8 warps halve each thread's share of the tiles.
         tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),
@@ -124,7 +126,7 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
             *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs,
             D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
             K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
-            BN=bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=4, **cconst,
+            BN=bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, num_warps=8 if mode == 3 else 4, **cconst,
             **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
         )
 
