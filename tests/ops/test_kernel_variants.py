@@ -60,8 +60,11 @@ def probe_run(self, *args, grid, warmup, **kwargs):
     seen.append((self.fn.__name__, key))
     if MODE == "compile" and key not in compiled:
         options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, spec, options)
-        src = self.ASTSource(self, signature, constexprs, attrs) if hasattr(self, "ASTSource") else \
-            triton.compiler.ASTSource(self, signature, constexprs, attrs)
+        if getattr(self, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource
+            src = GluonASTSource(self, signature, constexprs, attrs)
+        else:
+            src = triton.compiler.ASTSource(self, signature, constexprs, attrs)
         k = triton_compile(src, target=TARGET, options=options.__dict__)
         compiled[key] = dict(kernel=self.fn.__name__, shared=k.metadata.shared, stack=stack_bytes(k.asm["cubin"]))
     return None
@@ -69,7 +72,10 @@ def probe_run(self, *args, grid, warmup, **kwargs):
 
 tjit.JITFunction.run = probe_run
 
+from turboquant_core.ops import paged_decode
 from turboquant_core.ops.paged import TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store, warmup_kernels
+
+paged_decode._gluon_runs = lambda device: True  # plan as on a GPU: decode batches take the register-tile kernels
 
 fmt, hq, hkv, d, window = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 window = None if window == "none" else int(window)
@@ -161,6 +167,9 @@ def _probe(mode: str, case, *extra: str) -> dict:
 
 # The kernels of the serving path (every batch stores; decode and context attend; a split launch merges).
 SERVING_KERNELS = {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_merge_splits_kernel"}
+# Decode of the formats the register-tile kernel serves (``ops.paged_decode.decode_path_applies``).
+DECODE_KERNELS = {"tq_rotate_queries_kernel", "tq_paged_decode_kernel", "tq_merge_unrotate_kernel"}
+REGISTER_TILE_CASES = {"turboquant_k3v4_nc", "turboquant_4bit_nc"}  # of CASES (k8v4 has fp8 keys)
 # Kernels that run once per stored token: a stack frame here (register spills) slows every step down.
 STORE_PATH_KERNELS = {"tq_paged_store_kernel", "tq_key_center_sums_kernel"}
 SM90_SHARED_BYTES = 232448  # H100/H200 limit per block
@@ -179,20 +188,22 @@ def _check_compiled(res: dict) -> None:
     assert {c["kernel"] for c in compiled} >= {"tq_paged_store_kernel", "tq_paged_attention_kernel"}
     too_big = [c for c in compiled if c["shared"] > SM90_SHARED_BYTES]
     assert not too_big, f"variants over the sm_90 shared-memory limit: {too_big}"
-    spills = [c for c in compiled if c["kernel"] in STORE_PATH_KERNELS and c["stack"] != 0]
-    assert not spills, f"store-path variants with a stack frame (spills): {spills}"
+    spills = [c for c in compiled if c["kernel"] in STORE_PATH_KERNELS | {"tq_paged_decode_kernel"} and c["stack"] != 0]
+    assert not spills, f"store-path or register-tile decode variants with a stack frame (spills): {spills}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_warmup_covers_every_serving_variant(case):
-    _check_coverage(_probe("keys", case), SERVING_KERNELS)
+    decode = DECODE_KERNELS if case[0] in REGISTER_TILE_CASES else set()
+    _check_coverage(_probe("keys", case), SERVING_KERNELS | decode)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:2], ids=[c[0] for c in CASES[:2]])
 def test_warmup_covers_every_centred_serving_variant(case):
-    _check_coverage(_probe("keys", case, "center"), SERVING_KERNELS | {"tq_key_center_sums_kernel"})
+    _check_coverage(_probe("keys", case, "center"),
+                    SERVING_KERNELS | DECODE_KERNELS | {"tq_key_center_sums_kernel", "tq_center_queries_kernel"})
 
 
 @pytest.mark.slow

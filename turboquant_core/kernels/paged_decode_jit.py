@@ -111,7 +111,11 @@ def value_word_layout(dp, bn):
         warp_bases=[], block_bases=[], shape=[bn, 8, grv])
 
 
-@gluon.jit
+# Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size): the
+# split count and the log-sum-exp stride (token count x heads), the block table (a row slice of vLLM's table) and
+# the request metadata slices, read by scalar loads only.
+@gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
+                              "num_splits"])
 def tq_paged_decode_kernel(
     QROT, stride_qt, stride_qh,
     CACHE, CACHE16, stride_cb, stride_ch,
@@ -246,7 +250,7 @@ def tq_paged_decode_kernel(
     gl.store(PART_L + sp * stride_pls + tok * stride_plt + heads, lse2, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, num_rows, scale,
                              HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
                              BR: tl.constexpr):
@@ -263,7 +267,7 @@ def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stri
              mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["QUERY_START"])
 def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_sr, stride_sh, CWZ, stride_ct,
                              stride_ch, CSCALE, stride_st, center_scale,
                              GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -292,7 +296,7 @@ def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_
 def tq_merge_unrotate_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     ROT_HI, ROT_LO, OUT, stride_ot, stride_oh, LSE, stride_lh, num_rows, num_splits, v_rot_scale,
-    HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr, S_PAD: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
     BR: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Rows (token, head): merge the splits' partial outputs (V order) by their log2-sum-exp, then rotate

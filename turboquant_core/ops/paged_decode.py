@@ -111,11 +111,31 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device
                       max_splits))
 
 
+# Workspace sections start on 64-byte boundaries: their pointers keep one alignment class whatever the batch, so
+# the kernels compile one variant (and keep their vector loads) for every batch size.
+_SECTION_FLOATS = 16
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _SECTION_FLOATS) * _SECTION_FLOATS
+
+
+def _workspace_sections(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int, ...]:
+    """float32 offsets of (partial outputs, log-sum-exps, fp16 rotated queries, fp16 centering operands,
+    centering scales, end) in the workspace."""
+    rows = num_tokens * num_q_heads
+    part_o = 0
+    part_l = _round_up(part_o + num_splits * rows * head_dim)
+    qrot = _round_up(part_l + num_splits * rows)
+    cwz = _round_up(qrot + (rows * head_dim + 1) // 2)
+    cscale = _round_up(cwz + rows * head_dim)
+    return part_o, part_l, qrot, cwz, cscale, cscale + rows
+
+
 def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """float32 elements the decode path needs: partial outputs and log-sum-exps per split, fp16 rotated
     queries, and the key-centering operands (fp16 w and z, an fp32 scale per row)."""
-    rows = num_tokens * num_q_heads
-    return num_splits * rows * (head_dim + 1) + (rows * head_dim + 1) // 2 + rows * head_dim + rows
+    return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits)[-1]
 
 
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
@@ -135,14 +155,12 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     ws = plan.workspace
-    n_o = s * tq * hq * d
-    part_o = ws[:n_o].view(s, tq, hq, d)
-    part_l = ws[n_o : n_o + s * tq * hq].view(s, tq, hq)
-    q_off = n_o + s * tq * hq
-    qrot = ws[q_off : q_off + (tq * hq * d + 1) // 2].view(torch.float16)[: tq * hq * d].view(tq, hq, d)
-    c_off = q_off + (tq * hq * d + 1) // 2
+    o_off, l_off, q_off, c_off, s_off, end = _workspace_sections(tq, hq, d, s)
+    part_o = ws[o_off : o_off + s * tq * hq * d].view(s, tq, hq, d)
+    part_l = ws[l_off : l_off + s * tq * hq].view(s, tq, hq)
+    qrot = ws[q_off : c_off].view(torch.float16)[: tq * hq * d].view(tq, hq, d)
     cwz = ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d)
-    cscale = ws[c_off + tq * hq * d : c_off + tq * hq * d + tq * hq].view(tq, hq)
+    cscale = ws[s_off:end].view(tq, hq)
     gqp = triton.next_power_of_2(plan.group)
     if centering is not None:
         tq_center_queries_kernel[(plan.num_reqs, hkv)](
@@ -180,5 +198,5 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     tq_merge_unrotate_kernel[grid_rows](
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, s,
-        vt.codec.rot_scale, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot, S_PAD=triton.next_power_of_2(s),
+        vt.codec.rot_scale, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot,
         BR=ROWS_PER_PROGRAM, WRITE_LSE=write_lse, num_warps=4)
