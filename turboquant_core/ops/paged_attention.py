@@ -12,16 +12,16 @@ A cache stored with key centering (``ops.key_centering``) is read with the same 
 sums the store wrote. Plain-torch references: ``ops.paged_reference`` (``tq_paged_attention_ref``,
 ``tq_gather_dequant_ref``).
 
-Which path to use (H200, Qwen3-8B heads, see benchmarks/bench_paged_attention.py)
---------------------------------------------------------------------------------
-- Decode and speculative verification (few queries per request): ``TQAttentionPlan`` with
-  ``causal=True``. It reads the compressed pages once per GQA group; it is bound by dequantization
-  instructions, not by memory (0.38 to 0.58 ms for 32 x 8448 tokens x 8 KV heads depending on the
-  format, where torch SDPA over bf16 takes 0.26 ms).
+Which path to use
+-----------------
+- Decode (one query per request): ``TQAttentionPlan`` with ``causal=True``. Where ``ops.paged_decode`` serves
+  the batch (one-segment 2- to 4-bit formats, head_dim 64 or 128, no sliding window, on CUDA) it runs the
+  register-tile kernel, otherwise the Triton kernel below; both read each compressed page once per GQA group.
+- Speculative verification (few queries per request): the Triton kernel, ``causal=True``.
 - Context part of a long prefill chunk (hundreds of queries per request): ``tq_gather_dequant`` into a
   bounded bf16 workspace, then FlashAttention with lse and ``merge_attn_states``. The paged kernel
-  also serves it (``causal=False``), but re-dequantizes the context once per query block (about 6x
-  slower than gather + SDPA for 512-query chunks over 8k tokens); use it for short chunks only.
+  also serves it (``causal=False``), but re-dequantizes the context once per query block; use it for
+  short chunks only. Measurements: benchmarks/results/ (``bench_paged_attention.py``).
 """
 
 from __future__ import annotations
