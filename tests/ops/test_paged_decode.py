@@ -55,7 +55,7 @@ def test_codebook_words_equal_the_kernels_own(bits):
 
 def test_decode_path_applies_only_where_it_serves():
     lay = paged_layout("turboquant_k3v4_nc", 128, 16)
-    kw = dict(max_query_len=1, causal=True, sliding_window=None, centering=None)
+    kw = dict(max_query_len=1, causal=True, sliding_window=None)
     assert not decode_path_applies(lay, 4, torch.device("cpu"), **kw)  # no GPU
     served = [n for n in format_names()
               if all(c.has_codebook and c.bits in DECODE_BITS for c in (get_format(n).key, get_format(n).value))]

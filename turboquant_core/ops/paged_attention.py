@@ -52,15 +52,13 @@ from .page_layout import (
     _layout_tables,
 )
 from .paged_decode import (
+    LN2,
     codebook_permute_words,
     decode_path_applies,
     decode_workspace_floats,
     num_decode_splits,
     run_decode,
 )
-
-LN2 = math.log(2.0)
-
 
 # ----------------------------------------------------------------------------------------------
 # Attention
@@ -146,8 +144,7 @@ class TQAttentionPlan:
         self.max_auto_block_m = 32 if min(widths) < 64 else 64
         # The register-tile decode kernel's codebook words (host values, computed once: ``run`` never syncs).
         self.decode_words = None
-        if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None,
-                               centering=None):
+        if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
             self.decode_words = (codebook_permute_words(self.k_tables.cent_f16[0]),
                                  codebook_permute_words(self.v_tables.cent_f16[0]))
         self._planned = False
@@ -206,7 +203,7 @@ class TQAttentionPlan:
         self.decode_splits = 0
         if self.decode_words is not None and decode_path_applies(
                 self.layout, g, self.device, max_query_len=max_query_len, causal=causal,
-                sliding_window=sliding_window, centering=None):
+                sliding_window=sliding_window):
             ds = requested_splits if requested_splits is not None else num_decode_splits(
                 num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits)
             while ds > 1 and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) > \
@@ -253,8 +250,7 @@ class TQAttentionPlan:
         lse_arg = lse if write_lse else out
         if tq == 0 or self.num_reqs == 0:
             return (out, lse) if return_lse else out
-        if self.decode_splits and decode_path_applies(lay, self.group, self.device, max_query_len=1, causal=True,
-                                                      sliding_window=None, centering=centering):
+        if self.decode_splits:
             run_decode(self, q, u8, f16, out, lse if write_lse else None, centering, center_sums)
             return (out, lse) if return_lse else out
         s = self.num_splits

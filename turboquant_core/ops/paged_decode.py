@@ -19,7 +19,7 @@ import torch
 import triton
 
 from .page_layout import PagedTQLayout, _ComponentTables
-from .rotation_tables import codec_tables, padded_rotated_order
+from .rotation_tables import codec_tables, rotation_rows_in_order
 
 LN2 = math.log(2.0)
 DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a warp's registers
@@ -32,8 +32,9 @@ ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation an
 
 
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
-                        causal: bool, sliding_window: int | None, centering) -> bool:
-    """Whether ``TQAttentionPlan`` runs this batch on the register-tile decode kernel."""
+                        causal: bool, sliding_window: int | None) -> bool:
+    """Whether ``TQAttentionPlan`` runs this batch on the register-tile decode kernel (with or without key
+    centering: a tile never spans a page, so the page centre is one value per tile)."""
     fmt = layout.fmt
     one_segment = all(c.has_codebook and c.bits in DECODE_BITS for c in (fmt.key, fmt.value))
     return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and group <= DECODE_MAX_GROUP
@@ -78,11 +79,8 @@ def decode_value_order(dim: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _ordered_rotation(dim: int, bits: float, seed: int, device: str, value: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(rot_hi, rot_lo) rows of the codec's rotation in the decode kernel's K (or V) order."""
-    tables = codec_tables(dim, bits, seed, device)
-    row_of = {c: i for i, c in enumerate(padded_rotated_order(tables).tolist()) if c >= 0}
-    want = (decode_value_order if value else decode_key_order)(dim).tolist()
-    src = torch.tensor([row_of[c] for c in want], dtype=torch.long, device=tables.rot_hi.device)
-    return tables.rot_hi[src].contiguous(), tables.rot_lo[src].contiguous()
+    order = (decode_value_order if value else decode_key_order)(dim)
+    return rotation_rows_in_order(codec_tables(dim, bits, seed, device), order)
 
 
 def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:

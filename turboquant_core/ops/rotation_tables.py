@@ -209,20 +209,25 @@ def kernel_coordinate_order(tables: CodecTables, fp8: bool = False) -> torch.Ten
     return torch.tensor(out, dtype=torch.long)
 
 
-@functools.lru_cache(maxsize=256)
-def kernel_order_rotation(dim: int, bits: float, seed: int, device: str = "cpu",
-                          fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rot_hi, rot_lo) of ``codec_tables(dim, bits, seed, device)`` with the rows gathered from the codec's
-    ``padded_rotated_order`` into ``kernel_coordinate_order`` (zero rows for padding)."""
-    tables = codec_tables(dim, bits, seed, device)
+def rotation_rows_in_order(tables: CodecTables, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rot_hi, rot_lo) of ``tables`` with the rows gathered from the codec's ``padded_rotated_order`` into
+    ``order`` (the rotated coordinate each position holds; -1: a zero row for padding)."""
     row_of = {c: i for i, c in enumerate(padded_rotated_order(tables).tolist()) if c >= 0}
-    want = kernel_coordinate_order(tables, fp8=fp8).tolist()
+    want = order.tolist()
     dev = tables.rot_hi.device
     src = torch.tensor([row_of.get(c, 0) for c in want], dtype=torch.long, device=dev)
     keep = torch.tensor([c >= 0 for c in want], device=dev)[:, None]
     hi = torch.where(keep, tables.rot_hi[src], torch.zeros_like(tables.rot_hi[src])).contiguous()
     lo = torch.where(keep, tables.rot_lo[src], torch.zeros_like(tables.rot_lo[src])).contiguous()
     return hi, lo
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_order_rotation(dim: int, bits: float, seed: int, device: str = "cpu",
+                          fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rot_hi, rot_lo) of ``codec_tables(dim, bits, seed, device)`` in ``kernel_coordinate_order``."""
+    tables = codec_tables(dim, bits, seed, device)
+    return rotation_rows_in_order(tables, kernel_coordinate_order(tables, fp8=fp8))
 
 
 def packing_order(dim: int) -> torch.Tensor:
