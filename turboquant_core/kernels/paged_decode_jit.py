@@ -9,14 +9,18 @@ operand fragments their fields fill, so a tile goes from global memory to ``mma.
 memory. The coordinate order is chosen to make that possible: rotated coordinates may be permuted freely
 as long as the query and the output rotations are permuted alike (``ops.paged_decode`` builds those rows).
 
-One warp serves one (request, KV head, KV split) and all query heads of its GQA group (rows of a 16-row
-MMA tile). Per tile of BN tokens (m16n8k16, fp16 operands, fp32 accumulators):
-- scores S[16, BN] = Q'[16, DP] . K^T[DP, BN], K^T the B operand: word (token t, group g) of a b-bit
-  component holds 8 fields; field j of group g = GR*gl + gr (gl < 4 from lane bits, gr < GR = GP/4 from
+One warp serves one (request, KV head, KV split) and all query heads of its GQA group. The products are
+transposed so that MMA rows are tokens and head dimensions, never empty query rows (a group of 4 would fill 4
+of 16): per tile of BN = 16 tokens (m16n8k16, fp16 operands, fp32 accumulators), NQ = the group padded to 8
+or 16:
+- scores S^T[BN, NQ] = K[BN, DP] . Q'^T[DP, NQ], K the A operand: word (token t, group g) of a b-bit
+  component holds 8 fields; field j of group g = GR*gl + gr (gl < 4 from lane bits, gr < GR = DP/32 from
   registers) sits at K position  j0 + 2*gl + 8*j1 + 16*j2 + 32*gr  (j = j0 + 2*j1 + 4*j2);
-- O[16, DP] += P[16, BN] . V[BN, DP], P kept in registers (the accumulator layout of S is the A-operand
-  layout of P), V the B operand: field j of group g = GRV*gl + gr (gl < 8, gr < GRV = GP/8) sits at
-  V position  gl + 8*j0 + 16*j1 + 32*j2 + 64*gr.
+- O^T[DP, NQ] += V^T[DP, BN] . P^T[BN, NQ], V^T the A operand: field j of group g = GRV*gl + gr (gl < 8,
+  gr < GRV = DP/64) sits at V position  gl + 8*j0 + 16*j1 + 32*j2 + 64*gr; P^T, in the accumulator layout of
+  S^T, becomes the B operand by one warp transpose per 8x8 block (``movmatrix``).
+The planes of a tile's packed words are loaded as one integer per (token, lane, plane) and merged into words
+by byte permutes (``plane_transpose_asm``).
 Q' (queries rotated into K order and pre-scaled) comes from ``tq_rotate_queries_kernel``; the partial
 outputs stay in V order for ``tq_merge_unrotate_kernel``, which merges splits and rotates back.
 """
@@ -74,22 +78,112 @@ def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
+@gluon.constexpr_function
+def plane_transpose_asm(b, gr):
+    """PTX that turns the b byte planes of gr consecutive groups (plane k of groups 0..gr-1 in the low gr bytes
+    of input k) into gr words (byte k of word g = plane k of group g), by byte permutes. Bytes a b-bit word does
+    not use are left undefined."""
+    lines = []
+    if b == 2:
+        lines = [f"prmt.b32 ${g}, ${gr}, ${gr + 1}, {hex(((4 + g) << 4) | g)};" for g in range(gr)]
+    elif b == 3:
+        p0, p1, p2 = gr, gr + 1, gr + 2
+        lines.append(f"prmt.b32 t0, ${p0}, ${p1}, 0x5140;")
+        if gr > 2:
+            lines.append(f"prmt.b32 t1, ${p0}, ${p1}, 0x7362;")
+        sels = ["0x0410", "0x0532", "0x0610", "0x0732"]
+        lines += [f"prmt.b32 ${g}, {'t0' if g < 2 else 't1'}, ${p2}, {sels[g]};" for g in range(gr)]
+    else:
+        p0, p1, p2, p3 = gr, gr + 1, gr + 2, gr + 3
+        lines += [f"prmt.b32 t0, ${p0}, ${p1}, 0x5140;", f"prmt.b32 t1, ${p2}, ${p3}, 0x5140;"]
+        if gr > 2:
+            lines += [f"prmt.b32 t2, ${p0}, ${p1}, 0x7362;", f"prmt.b32 t3, ${p2}, ${p3}, 0x7362;"]
+        sels = ["0x5410", "0x7632"]
+        lines += [f"prmt.b32 ${g}, t{2 * (g // 2)}, t{2 * (g // 2) + 1}, {sels[g % 2]};" for g in range(gr)]
+    return "{ .reg .b32 t0, t1, t2, t3; " + " ".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def plane_transpose_constraints(b, gr):
+    return ",".join(["=r"] * gr + ["r"] * b)
+
+
+@gluon.constexpr_function
+def plane_dtype(gr):
+    """The integer type of one plane's bytes of gr consecutive groups (one load per token and plane)."""
+    return {1: gl.uint8, 2: gl.uint16, 4: gl.uint32}[gr]
+
+
 @gluon.jit
-def _load_words(CACHE, row, PLANE: gl.constexpr, gofs, B: gl.constexpr):
-    """uint32 words from planar8 bytes: byte k of (row, group) at CACHE + row + k*PLANE + group offset."""
-    ptr = CACHE + row + gofs
-    word = gl.load(ptr).to(gl.uint32)
-    for k in gl.static_range(1, B):
-        word = word | (gl.load(ptr + k * PLANE).to(gl.uint32) << (8 * k))
-    return word
+def _load_planes(base, row, gofs, PLANE: gl.constexpr, B: gl.constexpr, GR: gl.constexpr):
+    """The B byte planes of a tile of packed words, each as one integer of GR bytes per (token, lane group):
+    plane k at base + row + k*PLANE + gofs (bytes; gofs a multiple of GR). Unused planes repeat plane 0."""
+    ptr = (base + row + gofs).to(gl.pointer_type(plane_dtype(GR)))
+    step: gl.constexpr = PLANE // GR
+    p0 = gl.load(ptr)
+    p1 = gl.load(ptr + step)
+    p2 = p0
+    p3 = p0
+    if B >= 3:
+        p2 = gl.load(ptr + 2 * step)
+    if B == 4:
+        p3 = gl.load(ptr + 3 * step)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _transpose_planes(args, B: gl.constexpr, GR: gl.constexpr):
+    cons: gl.constexpr = plane_transpose_constraints(B, GR)
+    if GR == 1:
+        w0 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=gl.uint32, is_pure=True,
+                                       pack=1)
+        return gl.expand_dims(w0, 2)
+    elif GR == 2:
+        w0, w1 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=(gl.uint32, gl.uint32),
+                                           is_pure=True, pack=1)
+        return gl.join(w0, w1)
+    else:
+        w0, w1, w2, w3 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args,
+                                                   dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+                                                   is_pure=True, pack=1)
+        return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [w0.shape[0], w0.shape[1], 4])
+
+
+@gluon.jit
+def _planes_to_words(p0, p1, p2, p3, B: gl.constexpr, GR: gl.constexpr):
+    """Planes [BN, L] (``_load_planes``) -> words [BN, L, GR]: word g = byte g of every plane."""
+    if B == 2:
+        return _transpose_planes([p0.to(gl.uint32), p1.to(gl.uint32)], B, GR)
+    elif B == 3:
+        return _transpose_planes([p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32)], B, GR)
+    else:
+        return _transpose_planes([p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32), p3.to(gl.uint32)], B, GR)
+
+
+@gluon.jit
+def _load_tile(cache_head, scale_head, page, stride_cb, start, hi, ktok, vtok, ts, kgofs, vgofs, PAGE: gl.constexpr,
+               KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr, GR: gl.constexpr,
+               GRV: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr,
+               V_SC_OFF: gl.constexpr, K_ROW: gl.constexpr, V_ROW: gl.constexpr):
+    """Every global load of the tile at ``start`` (in ``page``): K and V planes, K and V scales (zero at
+    positions >= hi)."""
+    poff = start % PAGE
+    base = cache_head + page * stride_cb
+    kp0, kp1, kp2, kp3 = _load_planes(base + K_IDX_OFF, ((poff + ktok) * K_ROW)[:, None], kgofs, KG, KB, GR)
+    vp0, vp1, vp2, vp3 = _load_planes(base + V_IDX_OFF, ((poff + vtok) * V_ROW)[:, None], vgofs, VG, VB, GRV)
+    sptr = scale_head + page * (stride_cb // 2) + poff + ts
+    smask = start + ts < hi
+    ksc = gl.load(sptr + K_SC_OFF // 2, mask=smask, other=0.0)
+    vsc = gl.load(sptr + V_SC_OFF // 2, mask=smask, other=0.0)
+    return kp0, kp1, kp2, kp3, vp0, vp1, vp2, vp3, ksc, vsc
 
 
 @gluon.constexpr_function
 def key_word_layout(dp, bn):
     """The K word tile's register layout [BN, 4, DP/32] for one warp, such that its dequantized fields form the
-    MMA B operand with no data movement (module docstring): lanes 0-1 -> gl, lanes 2-4 -> token bits 0-2;
-    registers -> gr bits, then token bits 3.. . A thread's groups come first among its registers: their bytes
-    are contiguous, one vector load per plane. (Built at compile time from ints, so launches pass no layout
+    MMA A operand with no data movement (module docstring): lanes 0-1 -> gl, lanes 2-4 -> token bits 0-2;
+    registers -> gr bits, then token bits 3.. . A thread's groups are contiguous bytes of each plane: one load
+    per plane and token. (Built at compile time from ints, so launches pass no layout
     object: Triton's compile hooks serialize every constexpr argument as JSON.)"""
     gr = dp // 32
     return gl.DistributedLinearLayout(
@@ -101,14 +195,27 @@ def key_word_layout(dp, bn):
 
 @gluon.constexpr_function
 def value_word_layout(dp, bn):
-    """The V word tile's register layout [BN, 8, DP/64]: lanes 0-1 -> token bits 1-2, lanes 2-4 -> gl;
-    registers -> gr bits, token bit 0, then token bits 3.. ."""
+    """The V word tile's register layout [BN, 8, DP/64], whose fields form the A operand V^T: lanes 0-1 ->
+    token bits 1-2, lanes 2-4 -> gl; registers -> gr bits, token bit 0, then token bits 3.. ."""
     grv = dp // 64
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1 << i] for i in range(grv.bit_length() - 1)] + [[1, 0, 0]]
         + [[8 << i, 0, 0] for i in range(bn.bit_length() - 4)],
         lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[], block_bases=[], shape=[bn, 8, grv])
+
+
+MOVMATRIX_TRANS = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+@gluon.jit
+def _transpose_8x8(x, NQ: gl.constexpr):
+    """An fp16 tile [16, NQ] in the MMA accumulator layout -> the same values as the B operand [16, NQ] of the
+    transposed 8x8 blocks' owners: each 8x8 block is transposed across the warp (movmatrix), then the indices
+    are renamed so that block (h, t) element (y, x) reads as (x, y)."""
+    t = gl.inline_asm_elementwise(MOVMATRIX_TRANS, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+    t = gl.permute(gl.reshape(t, [2, 8, NQ // 8, 8]), [0, 3, 2, 1])
+    return gl.reshape(t, [16, NQ])
 
 
 # Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size): the
@@ -126,27 +233,28 @@ def tq_paged_decode_kernel(
     DP: gl.constexpr, GQ: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, GQP: gl.constexpr,
+    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warp each; one query per request (decode). Writes the split's
     normalized output in V order to PART_O[split, token, head, :DP] and its log2-sum-exp to PART_L.
 
     ``CENTER`` (keys stored with key centering, ``key_centering_jit``): a tile lies in one page p (BN
     divides the page size), whose tokens' scores get q . c_p = row scale * (w . PC[p] + z . PS[p]); w, z
-    and the row scales come from ``tq_center_queries_kernel`` (CWZ [T, Hq, 2, DP] fp16, CSCALE [T, Hq]),
-    GQP = GQ padded to a power of two. The GQP values go to the score rows through shared memory."""
+    and the row scales come from ``tq_center_queries_kernel`` (CWZ [T, Hq, 2, DP] fp16, CSCALE [T, Hq]).
+    These terms are computed CB pages at a time as one small tensor-core product, kept in shared memory and
+    read back per tile."""
     GR: gl.constexpr = DP // 32
     GRV: gl.constexpr = DP // 64
+    NQ: gl.constexpr = 8 if GQ <= 8 else 16
+    gl.static_assert(BN == 16, "one MMA row tile of tokens")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     kw_l: gl.constexpr = key_word_layout(DP, BN)
     vw_l: gl.constexpr = value_word_layout(DP, BN)
     gl.static_assert(PAGE % BN == 0, "a tile lies in one page")
-    kt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, kw_l))
-    vt_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, vw_l))
-    st_l: gl.constexpr = gl.SliceLayout(0, mma)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)  # per token (S^T rows)
+    head_l: gl.constexpr = gl.SliceLayout(0, mma)  # per query head (S^T and O^T columns)
 
     req = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -158,96 +266,108 @@ def tq_paged_decode_kernel(
     lo = split * chunk
     hi = gl.minimum(kv_len, lo + chunk)
 
-    # Q' rows: query head kvh*GQ + r for r < GQ; other rows are zero.
-    qr = gl.arange(0, 16, layout=gl.SliceLayout(1, a_op))
-    qi = gl.arange(0, DP, layout=gl.SliceLayout(0, a_op))
-    qmask = (qr < GQ)[:, None] & (qi < DP)[None, :]
-    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qr)[:, None] * stride_qh + qi[None, :], mask=qmask, other=0.0)
+    # Q'^T [DP, NQ]: column h = query head kvh*GQ + h for h < GQ, zero otherwise.
+    qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))
+    qh = gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
+    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qh)[None, :] * stride_qh + qd[:, None],
+                mask=(qh < GQ)[None, :] & (qd < DP)[:, None], other=0.0)
 
-    # Group offsets within a plane, per layout.
-    kgl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, kw_l)))
-    kgr = gl.arange(0, GR, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
-    kgofs = (kgl * GR)[None, :, None] + kgr[None, None, :]
-    vgl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, vw_l)))
-    vgr = gl.arange(0, GRV, layout=gl.SliceLayout(0, gl.SliceLayout(1, vw_l)))
-    vgofs = (vgl * GRV)[None, :, None] + vgr[None, None, :]
+    kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
+    vp_l: gl.constexpr = gl.SliceLayout(2, vw_l)
+    kgofs = (gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * GR)[None, :]
+    vgofs = (gl.arange(0, 8, layout=gl.SliceLayout(0, vp_l)) * GRV)[None, :]
+    ktok = gl.arange(0, BN, layout=gl.SliceLayout(1, kp_l))
+    vtok = gl.arange(0, BN, layout=gl.SliceLayout(1, vp_l))
+    ts = gl.arange(0, BN, layout=tok_l)
 
-    rows = gl.arange(0, 16, layout=row_l)
-    row_ok = rows < GQ
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=row_l)
-    l_i = gl.zeros([16], gl.float32, layout=row_l)
-    acc = gl.zeros([16, DP], gl.float32, layout=mma)
+    heads = gl.arange(0, NQ, layout=head_l)
+    head_ok = heads < GQ
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=head_l)
+    l_acc = gl.zeros([BN, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
+    acc = gl.zeros([DP, NQ], gl.float32, layout=mma)
     head_off = kvh.to(gl.int64) * stride_ch
     bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
+    cache_head = CACHE + head_off
+    scale_head = CACHE16 + head_off // 2
     if CENTER:
-        cw_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, DP // 32], threads_per_warp=[1, 32],
-                                              warps_per_cta=[1, 1], order=[1, 0])
-        cr = gl.arange(0, GQP, layout=gl.SliceLayout(1, cw_l))
-        ci = gl.arange(0, DP, layout=gl.SliceLayout(0, cw_l))
-        cmask = (cr < GQ)[:, None] & (ci < DP)[None, :]
-        cptr = CWZ + tok * stride_ct + (kvh * GQ + cr)[:, None] * stride_ch2 + ci[None, :]
-        cw = gl.load(cptr, mask=cmask, other=0.0)
-        cz = gl.load(cptr + DP, mask=cmask, other=0.0)
-        cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cr, mask=cr < GQ, other=0.0)
-        gsm = gl.allocate_shared_memory(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]),
-                                        gl.zeros([16], gl.float32, layout=row_l))
+        CB: gl.constexpr = 16
+        KC: gl.constexpr = 32
+        ar = gl.arange(0, 16, layout=gl.SliceLayout(1, a_op))
+        ak = gl.arange(0, KC, layout=gl.SliceLayout(0, a_op))
+        bk = gl.arange(0, KC, layout=gl.SliceLayout(1, b_op))
+        bp = gl.arange(0, CB, layout=gl.SliceLayout(0, b_op))
+        cptr = CWZ + tok * stride_ct + (kvh * GQ + ar)[:, None] * stride_ch2 + ak[None, :]
+        cmask = (ar < GQ)[:, None] & (ak < KC)[None, :]
+        crow = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + crow, mask=crow < GQ, other=0.0)
+        gsm = gl.allocate_shared_memory(gl.float32, [CB, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        gsm_rows = gsm._reinterpret(gl.float32, [CB, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    cur_blk = -1
+
+    last = gl.maximum(kv_len - 1, 0)
+    page = gl.load(bt_row + gl.minimum(lo, last) // PAGE).to(gl.int64)
     for start in range(lo, hi, BN):
-        # The tile lies in one page (BN divides the page size): one block-table entry, then every global load
-        # of the tile (K and V words, scales) from that page's base, so their latencies overlap.
-        page = gl.load(bt_row + start // PAGE).to(gl.int64)
-        pbase = CACHE + page * stride_cb + head_off
-        poff = start % PAGE
-        tk = poff + gl.arange(0, BN, layout=kt_l)
-        kw = _load_words(pbase + K_IDX_OFF, (tk * K_ROW)[:, None, None], KG, kgofs, KB)
-        tv = poff + gl.arange(0, BN, layout=vt_l)
-        vw = _load_words(pbase + V_IDX_OFF, (tv * V_ROW)[:, None, None], VG, vgofs, VB)
-        ts = gl.arange(0, BN, layout=st_l)
-        tmask = start + ts < hi
-        sbase = CACHE16 + (page * stride_cb + head_off) // 2 + poff + ts
-        k_scale = gl.load(sbase + K_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
-        v_scale = gl.load(sbase + V_SC_OFF // 2, mask=tmask, other=0.0).to(gl.float32)
-        # keys: words -> K^T tile in B-operand registers -> scores
-        kf = _fields(kw, kc0, kc1, kc2, kc3, kc4, kc5, kc6, kc7, KB)  # [BN, 4, GR, 2, 2, 2]
-        kt = gl.reshape(gl.permute(kf, [2, 5, 4, 1, 3, 0]), [DP, BN])
-        kt = gl.convert_layout(kt, b_op, assert_trivial=True)
-        s = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=mma))
-        s = s * k_scale[None, :]
         if CENTER:
-            pg = gl.minimum(start // PAGE, num_pages - 1).to(gl.int64)
-            pc = gl.load(PAGE_COS16 + pg * DP + ci).to(gl.float32)
-            pz = gl.load(PAGE_SIN16 + pg * DP + ci).to(gl.float32)
-            g = gl.sum(cw.to(gl.float32) * pc[None, :] + cz.to(gl.float32) * pz[None, :], axis=1) * cscale
-            gsm.slice(0, GQP).store(g)
-            gl.thread_barrier()
-            s = s + gsm.load(row_l)[:, None]
-            gl.thread_barrier()
-        s = gl.where(row_ok[:, None] & tmask[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            pg = start // PAGE
+            blk = pg // CB
+            if blk != cur_blk:
+                pages = gl.minimum(blk * CB + bp, num_pages - 1).to(gl.int64)
+                g = gl.zeros([16, CB], gl.float32, layout=mma)
+                for kc in gl.static_range(0, DP, KC):
+                    tab = pages[None, :] * DP + (kc + bk)[:, None]
+                    g = mma_v2(gl.load(cptr + kc, mask=cmask, other=0.0), gl.load(PAGE_COS16 + tab), g)
+                    g = mma_v2(gl.load(cptr + DP + kc, mask=cmask, other=0.0), gl.load(PAGE_SIN16 + tab), g)
+                gl.thread_barrier()
+                gsm.store(gl.permute(g * cscale[:, None], [1, 0]))
+                gl.thread_barrier()
+                cur_blk = blk
+        this_page = page
+        page = gl.load(bt_row + gl.minimum(start + BN, last) // PAGE).to(gl.int64)
+        kq0, kq1, kq2, kq3, vq0, vq1, vq2, vq3, ksc, vsc = _load_tile(
+            cache_head, scale_head, this_page, stride_cb, start, hi, ktok, vtok, ts, kgofs, vgofs, PAGE, KB, VB,
+            KG, VG, GR, GRV, K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW)
+        kw = gl.convert_layout(_planes_to_words(kq0, kq1, kq2, kq3, KB, GR), kw_l, assert_trivial=True)
+        vw = gl.convert_layout(_planes_to_words(vq0, vq1, vq2, vq3, VB, GRV), vw_l, assert_trivial=True)
+        tmask = start + ts < hi
+
+        # keys: words -> K tile in A-operand registers -> scores S^T
+        kf = _fields(kw, kc0, kc1, kc2, kc3, kc4, kc5, kc6, kc7, KB)  # [BN, 4, GR, 2, 2, 2]
+        kt = gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP])
+        kt = gl.convert_layout(kt, a_op, assert_trivial=True)
+        s = mma_v2(kt, q, gl.zeros([BN, NQ], gl.float32, layout=mma))
+        s = s * ksc.to(gl.float32)[:, None]
+        if CENTER:
+            gt = gsm_rows.index(pg - blk * CB).slice(0, NQ).load(head_l)
+            s = s + gt[None, :]
+        s = gl.where(tmask[:, None] & head_ok[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(s - m_safe[None, :])
         alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        # Rescale the accumulator only in tiles that raise some row's maximum (the first tiles, mostly).
+        l_acc = l_acc * alpha[None, :] + p
+        # Rescale the accumulator only in tiles that raise some head's maximum (the first tiles, mostly).
         if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
-            acc = acc * alpha[:, None]
+            acc = acc * alpha[None, :]
         m_i = m_new
         # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
-        pv = gl.convert_layout((p * v_scale[None, :]).to(gl.float16), a_op, assert_trivial=True)
-        # values: words -> V tile in B-operand registers -> accumulate
+        pt = _transpose_8x8((p * vsc.to(gl.float32)[:, None]).to(gl.float16), NQ)
+        pt = gl.convert_layout(pt, b_op, assert_trivial=True)
+        # values: words -> V^T tile in A-operand registers -> accumulate O^T
         vf = _fields(vw, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, VB)  # [BN, 8, GRV, 2, 2, 2]
-        vt = gl.reshape(gl.permute(vf, [0, 2, 5, 4, 3, 1]), [BN, DP])
-        vt = gl.convert_layout(vt, b_op, assert_trivial=True)
-        acc = mma_v2(pv, vt, acc)
+        vt = gl.reshape(gl.permute(vf, [2, 5, 4, 3, 1, 0]), [DP, BN])
+        vt = gl.convert_layout(vt, a_op, assert_trivial=True)
+        acc = mma_v2(vt, pt, acc)
 
+    l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[None, :]
     lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
-    oi = gl.arange(0, DP, layout=gl.SliceLayout(0, mma))
-    heads = kvh * GQ + rows
+    od = gl.arange(0, DP, layout=gl.SliceLayout(1, mma))
+    hq = kvh * GQ + heads
     sp = split.to(gl.int64)
-    gl.store(PART_O + sp * stride_pos + tok * stride_pot + heads[:, None] * stride_poh + oi[None, :], o,
-             mask=row_ok[:, None] & (oi < DP)[None, :])
-    gl.store(PART_L + sp * stride_pls + tok * stride_plt + heads, lse2, mask=row_ok)
+    gl.store(PART_O + sp * stride_pos + tok * stride_pot + hq[None, :] * stride_poh + od[:, None], o,
+             mask=head_ok[None, :] & (od < DP)[:, None])
+    gl.store(PART_L + sp * stride_pls + tok * stride_plt + hq, lse2, mask=head_ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
