@@ -85,9 +85,13 @@ cache = allocate_kv_cache(64, hkv, layout)
 cent = None
 if "center" in sys.argv[7:]:
     from turboquant_core.ops.key_centering import key_centering_tables
-    from turboquant_core.ops.paged import new_center_sums
+    from turboquant_core.ops.paged import new_block_epochs, new_center_sums
     cent = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, bs, 8192)
     sums = new_center_sums(70, hkv, cent, "cpu")
+    # sums kept across steps, as the vLLM backend keeps them: a layer's tags are a slice of one allocation for
+    # all layers, at an offset that need not be 16-byte aligned
+    kept = dict(center_tags=torch.full((3, 69, hkv, 2), -1, dtype=torch.int32)[1],
+                block_epochs=new_block_epochs(64, "cpu"))
 warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent)
 warm = set(seen)
 if MODE == "compile":
@@ -112,14 +116,14 @@ for n in (1, 3, 7, 16, 33, 64, 128, 300, 600):  # store: any number of tokens
         reqs = min(n, 5)
         qsl = torch.tensor([0] + [n * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
         cen = dict(centering=cent, query_start_loc=qsl, seq_lens=seq[:reqs] + n, block_table=table[:reqs],
-                   center_sums=sums)
+                   center_sums=sums, **kept)
     tq_store(key[:n], value[:n], cache, torch.arange(n), layout, **cen)
 cen = {} if cent is None else dict(centering=cent)
 for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's long max_seq_len
     if cent is not None:  # a decode-only batch's store: sums first, then one pass
         tq_store(key[:reqs], value[:reqs], cache, torch.arange(reqs), layout, centering=cent,
                  query_start_loc=torch.arange(reqs + 1, dtype=torch.int32), seq_lens=seq[:reqs],
-                 block_table=table[:reqs], center_sums=sums, single_token_requests=True)
+                 block_table=table[:reqs], center_sums=sums, single_token_requests=True, **kept)
     for max_seq in (40, 8192):
         qsl = torch.arange(reqs + 1, dtype=torch.int32)
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,

@@ -20,9 +20,12 @@ from turboquant_core.ops.key_centering import (
     token_centers_ref,
 )
 from turboquant_core.ops.paged import (
+    center_sums_cached_ref,
     center_sums_ref,
     dequant_cached_ref,
+    new_block_epochs,
     new_center_sums,
+    new_center_tags,
     paged_layout,
     read_cached_tokens,
     tq_gather_dequant,
@@ -69,7 +72,7 @@ class _Batch:
     """Requests stored step by step through tq_store, as a serving engine does (prefill chunks, then decode)."""
 
     def __init__(self, name, d, hkv, seq_lens, steps, device, *, neox=True, rot_dim=None, seed=0,
-                 centering=True, mean_scale=3.0, single_token_steps=False):
+                 centering=True, mean_scale=3.0, single_token_steps=False, kept=False):
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.lay = paged_layout(name, d, BLOCK)
         rot_dim = rot_dim or d
@@ -86,6 +89,9 @@ class _Batch:
         self.v = [torch.randn(s, hkv, d, generator=g).to(torch.bfloat16) for s in seq_lens]
         self.seq_lens, self.device, self.hkv, self.d = list(seq_lens), device, hkv, d
         self.sums = new_center_sums(r, hkv, self.cent, device) if centering else None
+        # ``kept``: the sums are kept across steps (tags + block epochs), as the vLLM backend keeps each layer's
+        self.kept = dict(center_tags=new_center_tags(r, hkv, device), block_epochs=new_block_epochs(nb, device)) \
+            if kept else {}
         # steps with at most one token per request take the store's single-pass path (vLLM: decode-only batches)
         self.single_token_steps = single_token_steps
         done = [0] * r
@@ -114,7 +120,7 @@ class _Batch:
         else:
             single = {"single_token_requests": True} if self.single_token_steps and max(counts) <= 1 and not ref else {}
             fn(k, v, self.cache, slots, self.lay, centering=self.cent, query_start_loc=qsl, seq_lens=sl,
-               block_table=self.bt, center_sums=self.sums, **single)
+               block_table=self.bt, center_sums=self.sums, **single, **({} if ref else self.kept))
         for i, n in enumerate(counts):
             done[i] += n
 
@@ -267,6 +273,98 @@ def test_single_token_store_path_matches_the_three_launch_one(name, d, device):
     assert done1 == seqs and one.sums[[0, 1, 3]].abs().amax(dim=(1, 2, 3)).gt(0).all() and (one.sums[2] == 0).all()
 
 
+# ----------------------------------------------------------------------------------------------
+# sums kept across steps (tags + block epochs)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kept_sums_are_the_same_bits_and_epochs_count_first_page_tokens(device):
+    """Steps through both store paths with the sums kept across steps and with them recomputed every step: the
+    same sums and stored bytes after every step; tags as the reference's; each block's epoch counts the
+    first-page tokens stored into it. Request 2 fills its first page in a single-token step (zeros, then
+    computed in the next step), request 1 never does, requests 0 and 3 are full from the first step on."""
+    seqs = [40, 9, 20, 19]
+    steps = [[20, 9, 15, 17], [1, 0, 1, 1], [1, 0, 1, 1], [18, 0, 3, 0]]
+    kw = dict(seed=4, single_token_steps=True)
+    kept = _Batch("turboquant_k3v4_nc", 64, 2, seqs, [], device, kept=True, **kw)
+    every = _Batch("turboquant_k3v4_nc", 64, 2, seqs, [], device, **kw)
+    tags, epochs = kept.kept["center_tags"], kept.kept["block_epochs"]
+    ref_sums, ref_tags = kept.sums.clone(), tags.clone()
+    done_k, done_e = [0] * 4, [0] * 4
+    for step in steps:
+        kept.store_step(step, done_k)
+        every.store_step(step, done_e)
+        assert torch.equal(kept.sums, every.sums) and torch.equal(kept.cache, every.cache)
+        # the store's sums launch saw these first pages and epochs (single-token steps: before the store)
+        sl = torch.tensor(done_k, dtype=torch.int32, device=device)
+        center_sums_cached_ref(kept.cache, kept.lay, kept.cent, kept.bt, sl, ref_sums, ref_tags, epochs,
+                               before_store=max(step) <= 1)
+        assert torch.equal(tags, ref_tags)
+    assert (ref_sums - kept.sums).abs().max() < 1e-4
+    want = torch.zeros_like(epochs)
+    for r, n in enumerate(seqs):
+        want[kept.bt[r, 0]] += min(n, BLOCK)
+    assert torch.equal(epochs, want)
+    assert tags[:, :, 0].tolist() == [[int(kept.bt[r, 0])] * 2 if n >= BLOCK else [-1, -1]
+                                      for r, n in enumerate(seqs)]
+
+
+def test_kept_sums_skip_unchanged_first_pages_and_recompute_changed_ones(device):
+    """Each launch starts from a poisoned (NaN) sums buffer: the rows it skips keep the poison, and must be the
+    ones the reference skips and ones whose held sums equal a fresh computation; the rows it writes are the
+    same bits as a launch without tags. Covers: nothing changed (only the not-full row is written), rows
+    moved to other requests, a request sharing a full first page (prefix caching: skipped), a freed first
+    block reused with new contents by the store (its epoch changed), a first page that fills in the step."""
+    seqs = [40, 9, 70]
+    b = _Batch("turboquant_k3v4_nc", 64, 2, seqs, [seqs], device, kept=True, seed=6)
+    tags, epochs = b.kept["center_tags"], b.kept["block_epochs"]
+
+    def check(launch, bt, sl):
+        held, held_tags = b.sums.clone(), tags.clone()
+        b.sums.fill_(float("nan"))
+        launch()
+        wrote = ~b.sums.isnan().flatten(2).all(-1)  # [R, Hkv]
+        ref_sums, ref_tags = held.clone(), held_tags
+        assert torch.equal(wrote, center_sums_cached_ref(b.cache, b.lay, b.cent, bt, sl, ref_sums, ref_tags, epochs))
+        assert torch.equal(tags, ref_tags)
+        fresh = tq_key_center_sums(b.cache, b.lay, b.cent, bt, sl, new_center_sums(len(sl), 2, b.cent, device))
+        assert torch.equal(torch.where(wrote[:, :, None, None], b.sums, held), fresh)
+        b.sums.copy_(fresh)
+        return wrote.all(-1).tolist()
+
+    def sums(bt, sl):
+        return check(lambda: tq_key_center_sums(b.cache, b.lay, b.cent, bt, sl, b.sums, **b.kept), bt, sl)
+
+    sl = b.seq_lens_t()
+    assert sums(b.bt, sl) == [False, True, False]
+    perm = torch.tensor([2, 0, 1], device=device)
+    bt, sl = b.bt[perm].clone(), sl[perm].clone()
+    assert sums(bt, sl) == [True, True, True]
+    # row 1: another request on request 0's full first page (a prefix-cache hit), longer and with other pages
+    spare = sorted(set(range(b.cache.shape[0])) - set(b.bt.flatten().tolist()))
+    bt[1, 1:] = bt[1, 1:].flip(0)
+    sl[1] = 30
+    assert sums(bt, sl) == [False, False, True]
+    # request 2 ends; its first block (row 0's) goes to a new request of 20 tokens, stored in one chunk; the
+    # request in row 2 stores 7 tokens, filling its first page (positions 9..15)
+    reused, filling = int(bt[0, 0]), int(bt[2, 0])
+    bt[0, :2] = torch.tensor([reused, spare[0]])
+    sl[0], sl[2] = 20, 16
+    g = torch.Generator(device="cpu").manual_seed(9)
+    k = (torch.randn(27, 2, 64, generator=g) * 2).to(device, torch.bfloat16)
+    t = torch.cat([torch.arange(20), torch.arange(9, 16)])
+    slots = torch.cat([bt[0].long().cpu()[t[:20] // BLOCK], bt[2].long().cpu()[t[20:] // BLOCK]]) * BLOCK + t % BLOCK
+    qsl = torch.tensor([0, 20, 20, 27], dtype=torch.int32, device=device)
+    before = epochs.clone()
+    assert check(lambda: tq_store(k, k, b.cache, slots.to(device), b.lay, centering=b.cent, query_start_loc=qsl,
+                                  seq_lens=sl, block_table=bt, center_sums=b.sums, **b.kept), bt, sl) \
+        == [True, False, True]
+    bumps = torch.zeros_like(epochs)
+    bumps[reused], bumps[filling] = BLOCK, 7  # first-page tokens only: the 4 in spare[0] count nothing
+    assert torch.equal(epochs - before, bumps)
+    assert sums(bt, sl) == [False, False, False]
+
+
 def _check(out, lse, ref_out, ref_lse):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
@@ -367,6 +465,15 @@ def test_centring_rejects_bad_input(device):
     with pytest.raises(ValueError, match="center_sums must be"):
         tq_store(k, v, b.cache, slots, b.lay, centering=b.cent, query_start_loc=qsl, seq_lens=sl,
                  block_table=b.bt, center_sums=torch.zeros(1, 2, 2, 32, device=device))
+    with pytest.raises(ValueError, match="both center_tags and block_epochs"):
+        tq_store(k, v, b.cache, slots, b.lay, centering=b.cent, query_start_loc=qsl, seq_lens=sl,
+                 block_table=b.bt, center_sums=b.sums, center_tags=new_center_tags(1, 2, device))
+    with pytest.raises(ValueError, match="block_epochs must be"):
+        tq_key_center_sums(b.cache, b.lay, b.cent, b.bt, sl, b.sums, center_tags=new_center_tags(1, 2, device),
+                           block_epochs=new_block_epochs(b.cache.shape[0] - 1, device))
+    with pytest.raises(ValueError, match="center_tags must be"):
+        tq_key_center_sums(b.cache, b.lay, b.cent, b.bt, sl, b.sums, center_tags=torch.zeros(1, 2, 2, device=device),
+                           block_epochs=new_block_epochs(b.cache.shape[0], device))
     with pytest.raises(ValueError, match="center_sums that the store wrote"):
         tq_paged_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=device), b.cache, b.lay, b.bt,
                            torch.tensor([0, 1], dtype=torch.int32, device=device), sl, max_query_len=1,

@@ -290,3 +290,87 @@ def test_decode_cuda_graph_replay(tq_attn):
                                 seq_lens_cpu_upper_bound=torch.tensor(new_lens, dtype=torch.int32))
         impl.forward(layer, q_static, batch.k, batch.v, cache, builder.build(0, cam), output=eager)
         torch.testing.assert_close(out, eager, atol=2e-3, rtol=2e-3)
+
+
+def test_kept_center_sums_in_a_cuda_graph(tq_attn, monkeypatch):
+    """Decode steps (store + attention) captured in one CUDA graph and replayed, with the layer's key-centering sums
+    kept across steps (builder.keep_center_sums), against the same steps with the scratch recomputed every step: the
+    same outputs and cache bytes, bit for bit, while a first page fills (request 1, in the eager step before the
+    capture) and after. Then the kept rows of the full first pages are poisoned: a replay leaves them as they are
+    (its sums launch only compared tags) and rewrites the row whose first page is not full (zeros)."""
+    from turboquant_core.ops.kv_store import new_block_epochs
+
+    fmt, d, bs = "turboquant_k3v4_nc", 128, 16
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=d, block_size=bs)
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    requests = [(55, 1), (bs - 1, 1), (9, 1)]
+
+    def run(keep):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        gen = torch.Generator().manual_seed(6)
+        impl, layer, builder = make_backend(tq_attn, fmt, **kw)
+        impl.key_centering = key_centering_tables(theta, d, bs, 4096, device=DEVICE)
+        batch = Batch(requests, num_blocks=64, gen=gen, **kw)
+        batch.k_ctx += 4.0  # a shared component
+        cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(64, bs, 2, d, fmt), dtype=torch.uint8,
+                            device=DEVICE)
+        if keep:
+            builder.keep_center_sums([layer.layer_name], new_block_epochs(64, DEVICE))
+        ctx_lens = torch.tensor([c for c, _ in requests], dtype=torch.int32)
+        ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
+        md_ctx = builder.build(0, CommonAttentionMetadata(
+            query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
+            num_reqs=len(requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
+            max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
+            slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens))
+        monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
+        impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
+
+        cam = batch.cam  # its device seq_lens and slot_mapping are the graph's inputs, updated in place
+        md = builder.build_for_cudagraph_capture(cam)
+        monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
+        k, v, q = batch.k.clone(), batch.v.clone(), batch.q.clone()
+        out = torch.zeros_like(q)
+
+        def decode_step():
+            impl.do_kv_cache_update(layer, k, v, cache, cam.slot_mapping)
+            impl.forward(layer, q, k, v, cache, md, output=out)
+
+        stream = torch.cuda.Stream()  # the first step eagerly (compiles the kernels), then the capture
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            decode_step()
+        torch.cuda.current_stream().wait_stream(stream)
+        outs = [out.clone()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_step()
+        step_gen = torch.Generator().manual_seed(7)
+
+        def replay(step):
+            lens = [c + 1 + step for c, _ in requests]
+            cam.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            cam.slot_mapping.copy_(torch.tensor([int(batch.block_table[r, (n - 1) // bs]) * bs + (n - 1) % bs
+                                                 for r, n in enumerate(lens)]))
+            k.copy_(torch.randn(k.shape, generator=step_gen).to(DEVICE, k.dtype))
+            v.copy_(torch.randn(v.shape, generator=step_gen).to(DEVICE, v.dtype))
+            q.copy_(torch.randn(q.shape, generator=step_gen).to(DEVICE, q.dtype))
+            graph.replay()
+            return out.clone()
+
+        outs += [replay(step) for step in (1, 2, 3)]
+        return outs, cache.clone(), replay, builder, layer
+
+    kept_outs, kept_cache, kept_replay, builder, layer = run(keep=True)
+    outs, cache, _, _, _ = run(keep=False)
+    for a, b in zip(kept_outs, outs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(kept_cache, cache)
+    sums, tags = builder.kept_center_sums.layers[layer.layer_name]
+    assert tags[:2, :, 0].ne(-1).all() and tags[2, :, 0].eq(-1).all()
+    sums[:2] = float("nan")
+    sums[2] = 1.0
+    kept_replay(4)
+    torch.cuda.synchronize()
+    assert sums[:2].isnan().all() and sums[2].eq(0).all()

@@ -4,9 +4,10 @@
 Encoding (``turboquant_core.ops.key_centering`` has the tables, the references and the derivation):
 - tokens of a sequence's first page (t < PAGE) are stored plain;
 - mu = mean over t = 1..PAGE-1 of RoPE_t^-1(k_hat_t), the first page's decoded keys rotated back, per
-  sequence, layer and KV head. It is a function of the first page's bytes alone, so it is recomputed
+  sequence, layer and KV head. It is a function of the first page's bytes alone, so it is derived from them
   (``tq_key_center_sums_kernel``) instead of stored, and it is the same for every sequence that shares
-  that page (prefix caching);
+  that page (prefix caching). A caller that keeps the sums across steps has them derived again only when
+  a row's first page changed (tags per row, epochs per block that the store bumps: the kernel's ``CACHED``);
 - a token t >= PAGE of page p is stored as k_t - c_p with the page's constant centre
   c_p = RoPE_{m_p}(rho * mu) (m_p: the page's middle position; rho per RoPE pair: the least-squares
   constant for a pair that turns by theta per token), and read back as k_hat + c_p, i.e. its logit
@@ -126,34 +127,22 @@ def _page_center_logits(w, z, row_scale, start, PAGE_COS16, PAGE_SIN16, num_page
     return g * row_scale[:, None]
 
 
-@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS"])
-def tq_key_center_sums_kernel(
-    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
-    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
-    D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
-    BEFORE_STORE: tl.constexpr,
-):
-    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (zeros until that page is full).
-    ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first page counts
-    once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
-
-    Decoded keys of tokens 1..PAGE-1 (natural coordinates, fp32) times POS_COS / POS_SIN [PAGE, D_PAD]
-    (cos / sin of t theta per coordinate), averaged; chunks of BN rows in a fixed order, so the result
-    is the same bits at every step and in every batch."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
-    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
-    base = page * stride_cb + head.to(tl.int64) * stride_ch
+@triton.jit
+def _first_page_sums(CACHE, CACHE16, base, KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale,
+                     D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                     KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+                     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+                     K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr):
+    """(U, V) [D_PAD] each of the full first page whose region starts at byte ``base``: decoded keys of tokens
+    1..PAGE-1 (natural coordinates, fp32) times POS_COS / POS_SIN [PAGE, D_PAD] (cos / sin of t theta per
+    coordinate), averaged; chunks of BN rows in a fixed order, so the result is the same bits at every step,
+    in every batch and whichever launch computes it."""
     i = tl.arange(0, D_PAD)
     u = tl.zeros((D_PAD,), tl.float32)
     v = tl.zeros((D_PAD,), tl.float32)
     for c in tl.static_range(PAGE // BN):
         t = c * BN + tl.arange(0, BN)
-        ok = (t >= 1) & full
+        ok = t >= 1
         k_scale = tl.load(CACHE16 + base // 2 + K_SC_OFF // 2 + t, mask=ok, other=0.0).to(tl.float32)
         k = _mse_decode_rows(CACHE, base + K_IDX_OFF + t * K_ROW, ok, KROT_HI, KROT_LO, KCENT0, KCENT1, D_PAD,
                              KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, BN, False, False)
@@ -163,6 +152,56 @@ def tq_key_center_sums_kernel(
         ps = tl.load(POS_SIN + t[:, None] * D_PAD + i[None, :])
         u += tl.sum(k * pc, axis=0)
         v += tl.sum(k * ps, axis=0)
+    return u * (1.0 / (PAGE - 1)), v * (1.0 / (PAGE - 1))
+
+
+# The batch's metadata pointers change with the batch; TAGS is a per-layer slice of one allocation, whose
+# offset need not keep 16-byte alignment: one compiled variant for all of them.
+@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS", "TAGS"])
+def tq_key_center_sums_kernel(
+    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
+    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
+    TAGS, stride_tr, stride_th, EPOCHS,
+    D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
+    BEFORE_STORE: tl.constexpr, CACHED: tl.constexpr,
+):
+    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (``_first_page_sums``; zeros until that
+    page is full). ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first
+    page counts once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
+
+    ``CACHED``: SUMS persists across steps (one buffer per layer) and TAGS[r, h] = (block, epoch) names what
+    its row holds: the sums of first block ``block`` as of EPOCHS[block], a counter the centred store bumps for
+    every first-page token it writes into that block. A full first page whose tag matches is skipped (the
+    row's sums are those bytes' sums already); any other is recomputed and tagged, a page that is not full
+    gets zeros and the invalid tag (-1, 0). Rows may change requests between steps and blocks may be reused:
+    the tag names the block and its contents, not the request. Without ``CACHED`` every row is recomputed
+    (TAGS, EPOCHS unused)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
+    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
     out = SUMS + req.to(tl.int64) * stride_sr + head * stride_sh
-    tl.store(out + i, u * (1.0 / (PAGE - 1)))
-    tl.store(out + D_PAD + i, v * (1.0 / (PAGE - 1)))
+    i = tl.arange(0, D_PAD)
+    if CACHED:
+        tag = TAGS + req.to(tl.int64) * stride_tr + head * stride_th
+        # a row that is not full may hold any block id (CUDA-graph padding rows): its epoch is not read
+        epoch = tl.load(EPOCHS + page, mask=full, other=0)
+        stale = (full == 0) | (tl.load(tag) != page) | (tl.load(tag + 1) != epoch)
+    else:
+        stale = True
+    if stale:
+        if full:
+            u, v = _first_page_sums(CACHE, CACHE16, page * stride_cb + head.to(tl.int64) * stride_ch, KROT_HI,
+                                    KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale, D_PAD, PAGE,
+                                    KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+        else:
+            u = tl.zeros((D_PAD,), tl.float32)
+            v = tl.zeros((D_PAD,), tl.float32)
+        tl.store(out + i, u)
+        tl.store(out + D_PAD + i, v)
+        if CACHED:
+            tl.store(tag, tl.where(full, page, -1).to(tl.int32))
+            tl.store(tag + 1, tl.where(full, epoch, 0).to(tl.int32))

@@ -79,6 +79,15 @@ def _store_keys(x, k_ok, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16,
         tl.store(CACHE16 + (base + K_SC_OFF) // 2 + off, k_scale.to(tl.float16), mask=k_ok)
 
 
+@triton.jit
+def _bump_epochs(EPOCHS, SLOTS, tok, rows, PAGE: tl.constexpr):
+    """EPOCHS[block] += 1 per row ``rows`` of tokens ``tok`` [BN], block from their slots. The slots are loaded
+    again here rather than kept from the program's start: held through the encode, their block ids take the
+    registers that make the 4-warp store spill on sm_90."""
+    blk = tl.load(SLOTS + tok, mask=rows, other=0) // PAGE
+    tl.atomic_add(EPOCHS + blk, 1, mask=rows, sem="relaxed")
+
+
 # The token count changes every step, the request count and the metadata pointers with the batch: one variant.
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS"])
 def tq_paged_store_kernel(
@@ -87,7 +96,7 @@ def tq_paged_store_kernel(
     KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1, KBND1,
     VROT_HI, VROT_LO, VROT_BF16, VLEV0, VBND0, VLEV1, VBND1,
     num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
-    QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages,
+    QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages, EPOCHS,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
@@ -96,7 +105,7 @@ def tq_paged_store_kernel(
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr,
     BN: tl.constexpr, CENTER_MODE: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BUMP_EPOCHS: tl.constexpr,
 ):
     """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv, 2): keys, then values, in
     separate programs (decode batches have few tokens: twice the programs, half the latency chain each; one
@@ -107,7 +116,11 @@ def tq_paged_store_kernel(
     every token, K of first-page tokens (position < PAGE); 2: K of later tokens minus their page's
     centre, no V; 3: both passes in one, for batches whose centres were derived before the launch (every
     request has one new token, so no first page fills while a later token of its request is stored).
-    Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata)."""
+    Positions come from QUERY_START / SEQ_LENS (vLLM's batch metadata).
+
+    ``BUMP_EPOCHS`` (modes 1 and 3): EPOCHS[block] += 1 for every first-page key stored into ``block``, so that
+    sums kept across steps (``tq_key_center_sums_kernel``, ``CACHED``) see that the page changed; counted in the
+    head-0 program, once per token."""
     tok = tl.program_id(0) * BN + tl.arange(0, BN)
     head = tl.program_id(1)
     tmask = tok < num_tokens
@@ -137,6 +150,9 @@ def tq_paged_store_kernel(
                 _store_keys(x, k_plain, CACHE, CACHE16, base, off, KROT_HI, KROT_LO, KROT_BF16, KLEV0, KBND0, KLEV1,
                             KBND1, k_rot_scale, sqrt_d, D_PAD, K_FP8, KG0, KGP0, KB0, KG1, KGP1, KB1, K_NC, K_EXACT,
                             K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+                if BUMP_EPOCHS:
+                    if head == 0:
+                        _bump_epochs(EPOCHS, SLOTS, tl.program_id(0) * BN + tl.arange(0, BN), k_plain, PAGE)
         if CENTER_MODE >= 2:  # later keys minus their page's centre
             if CENTER_MODE != 3 or tl.max(k_later.to(tl.int32), axis=0) > 0:
                 x = tl.load(key_rows, mask=k_later[:, None] & (i < D)[None, :], other=0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .key_centering import KeyCentering
-from .kv_store import new_center_sums, tq_store
+from .kv_store import new_block_epochs, new_center_sums, new_center_tags, tq_store
 from .page_layout import PagedTQLayout
 from .paged_attention import TQAttentionConfig, TQAttentionPlan
 
@@ -27,7 +27,8 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
     its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
     the centred variants (the store's two passes and its single pass for single-token batches, both sums
-    launches, centred attention) are compiled instead."""
+    launches, centred attention) are compiled instead, with the sums kept across steps (tags and block
+    epochs, as a serving engine keeps them per layer)."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
     if not 0 <= block_id < cache.shape[0]:
@@ -38,13 +39,15 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     sums = None
     if centering is not None:
         sums = new_center_sums(1, num_kv_heads, centering, dev)
+        kept = dict(center_tags=new_center_tags(1, num_kv_heads, dev),
+                    block_epochs=new_block_epochs(cache.shape[0], dev))
         tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout, centering=centering,
                  query_start_loc=torch.tensor([0, bs], dtype=torch.int32, device=dev), seq_lens=seq_lens,
-                 block_table=block_table, center_sums=sums)
+                 block_table=block_table, center_sums=sums, **kept)
         # decode-only batches: sums first, then K and V in one pass (the block's last slot again)
         tq_store(zeros[:1], zeros[:1], cache, torch.full((1,), (block_id + 1) * bs - 1, device=dev), layout,
                  centering=centering, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-                 seq_lens=seq_lens, block_table=block_table, center_sums=sums, single_token_requests=True)
+                 seq_lens=seq_lens, block_table=block_table, center_sums=sums, single_token_requests=True, **kept)
     else:
         tq_store(zeros, zeros, cache, torch.arange(bs, device=dev) + block_id * bs, layout)
     launches = [dict(kernel="store")]

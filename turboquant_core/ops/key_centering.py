@@ -9,8 +9,10 @@ cut the KL of 3-bit keys 3-4x on SmolLM2 (``benchmarks/results/eval-ppl-cpu/key-
 How, with no bytes beyond the format's and exact attention:
 - the first page (tokens t < P, P = the block size) is stored plain;
 - mu = mean over t = 1..P-1 of RoPE_t^-1 applied to the first page's *decoded* keys (token 0, often
-  an attention sink, is left out). It depends only on that page's bytes, so kernels recompute it each
-  step (one small launch per layer) and every sequence sharing the page (prefix caching) gets the same;
+  an attention sink, is left out). It depends only on that page's bytes, so kernels derive it from them
+  (one small launch per layer and step; where the sums are kept across steps, it skips the requests whose
+  first page did not change: ``ops.kv_store``) and every sequence sharing the page (prefix caching) gets
+  the same;
 - a token of page p >= 1 is stored as k_t - c_p and read back as k_hat_t + c_p, with one centre per
   page: c_p = RoPE_{m_p}(rho * mu), m_p = p * P + (P - 1) / 2 the page's middle, and per RoPE pair f
   rho_f = sin(P theta_f / 2) / (P sin(theta_f / 2)), the least-squares constant over the page for a

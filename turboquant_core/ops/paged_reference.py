@@ -3,7 +3,8 @@
 writes on the page layout of ``ops.page_layout``, no Triton. They state what the kernels compute (the
 tests and benchmarks compare against them) and run wherever torch does.
 
-- ``tq_store_ref``: ``ops.kv_store.tq_store``; ``center_sums_ref``: ``ops.kv_store.tq_key_center_sums``.
+- ``tq_store_ref``: ``ops.kv_store.tq_store``; ``center_sums_ref``: ``ops.kv_store.tq_key_center_sums``;
+  ``center_sums_cached_ref``: the same with sums kept across steps (tags and block epochs).
 - ``read_slots`` / ``read_cached_tokens``: the raw stored data of slots / of one request's tokens.
 - ``dequant_cached_ref``: one request's tokens dequantized, K and V float32 (key centering undone).
 - ``tq_paged_attention_ref``: ``ops.paged_attention.tq_paged_attention`` as naive float64 attention;
@@ -53,10 +54,12 @@ def _section(cache: torch.Tensor, layout: PagedTQLayout, name: str) -> torch.Ten
 def tq_store_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                  layout: PagedTQLayout, *, centering: KeyCentering | None = None,
                  query_start_loc: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None):
+                 block_table: torch.Tensor | None = None, center_sums: torch.Tensor | None = None,
+                 block_epochs: torch.Tensor | None = None):
     """Plain-torch reference of ``tq_store`` (quantizers + packing, indexed writes), same arguments.
     With centering and no ``center_sums``, the sums come from ``center_sums_ref`` after the first pass;
-    given ones (e.g. the kernel's) are used as they are. Returns the sums used (or None)."""
+    given ones (e.g. the kernel's) are used as they are. ``block_epochs``: +1 per first-page token stored,
+    in its block (``tq_store``'s bump). Returns the sums used (or None)."""
     _check_kv(key, "key", layout)
     _cache_views(cache, layout, key.shape[1])
     n = key.shape[0]
@@ -70,6 +73,9 @@ def tq_store_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, sl
     req = req.clamp_max(block_table.shape[0] - 1)
     first = keep & (pos >= 0) & (pos < layout.block_size)
     _store_tokens_ref(key, value, cache, slot_mapping[:n], first, keep, layout)
+    if block_epochs is not None:
+        blocks = slot_mapping[:n][first].long() // layout.block_size
+        block_epochs.index_add_(0, blocks, torch.ones_like(blocks, dtype=block_epochs.dtype))
     if center_sums is None:
         center_sums = center_sums_ref(cache, layout, centering, block_table, seq_lens)
     later = keep & (pos >= layout.block_size)
@@ -96,15 +102,40 @@ def _store_tokens_ref(key, value, cache, slots, k_keep, v_keep, layout: PagedTQL
 
 
 def center_sums_ref(cache: torch.Tensor, layout: PagedTQLayout, centering: KeyCentering,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Reference of ``tq_key_center_sums``: [R, Hkv, 2, dim_pad] float32 from the decoded first pages."""
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, *, before_store: bool = False) -> torch.Tensor:
+    """Reference of ``tq_key_center_sums``: [R, Hkv, 2, dim_pad] float32 from the decoded first pages (zeros
+    where not full: seq_len >= block size, or seq_len - 1 >= block size ``before_store``)."""
     out = torch.zeros(block_table.shape[0], cache.shape[1], 2, centering.dim_pad, dtype=torch.float64,
                       device=cache.device)
     for r, n in enumerate(seq_lens.tolist()[: block_table.shape[0]]):
-        if n >= layout.block_size:
+        if n - int(before_store) >= layout.block_size:
             k, _ = dequant_cached_ref(cache, layout, block_table[r], layout.block_size)
             out[r] = center_sums_from_keys_ref(k.transpose(0, 1), centering)
     return out.float()
+
+
+def center_sums_cached_ref(cache: torch.Tensor, layout: PagedTQLayout, centering: KeyCentering,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, center_sums: torch.Tensor,
+                           center_tags: torch.Tensor, block_epochs: torch.Tensor, *,
+                           before_store: bool = False) -> torch.Tensor:
+    """Reference of ``tq_key_center_sums`` with sums kept across steps: updates ``center_sums`` and
+    ``center_tags`` [R, Hkv, 2] in place and returns which (row, KV head) it wrote [R, Hkv] bool.
+
+    Row r, head h with first block b = block_table[r, 0]: a first page that is not full gets zeros and the
+    invalid tag (-1, 0); a full one whose tag is (b, block_epochs[b]) is left alone; any other gets the sums
+    of ``center_sums_ref`` and that tag."""
+    num_reqs = block_table.shape[0]
+    fresh = center_sums_ref(cache, layout, centering, block_table, seq_lens, before_store=before_store)
+    full = (seq_lens[:num_reqs].long() - int(before_store) >= layout.block_size)[:, None]  # [R, 1]
+    first = block_table[:, 0].long()
+    epoch = torch.where(full[:, 0], block_epochs.long()[first.clamp(0, block_epochs.shape[0] - 1)], 0)
+    tags = center_tags[:num_reqs].long()
+    hit = full & (tags[..., 0] == first[:, None]) & (tags[..., 1] == epoch[:, None])
+    write = ~hit
+    center_sums[:num_reqs][write] = fresh[write]
+    new_tag = torch.stack([torch.where(full[:, 0], first, -1), epoch], dim=-1).to(center_tags.dtype)  # [R, 2]
+    center_tags[:num_reqs][write] = new_tag[:, None, :].expand(-1, center_tags.shape[1], -1)[write]
+    return write
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,6 +240,6 @@ def tq_gather_dequant_ref(cache: torch.Tensor, layout: PagedTQLayout, block_tabl
 
 
 __all__ = [
-    "center_sums_ref", "dequant_cached_ref", "read_cached_tokens", "read_slots", "tq_gather_dequant_ref",
-    "tq_paged_attention_ref", "tq_store_ref",
+    "center_sums_cached_ref", "center_sums_ref", "dequant_cached_ref", "read_cached_tokens", "read_slots",
+    "tq_gather_dequant_ref", "tq_paged_attention_ref", "tq_store_ref",
 ]

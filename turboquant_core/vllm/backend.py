@@ -19,8 +19,11 @@ One step:
 Options (``turboquant_core.config.TQConfig``, from vLLM's ``CacheConfig.turboquant``) reach the builder and the impl
 at construction. Key centering (``.centering``, attached at start-up; ``--tq-key-centering``, on by default): a
 centred layer's store runs two passes around a small launch that derives each request's pre-RoPE key mean per KV head
-into ``center_sums`` (a decode-only batch: the sums, then K and V in one pass), and attention adds the removed part
-back to the logits (exact). No extra bytes per token.
+from its first page (a decode-only batch: the sums, then K and V in one pass), and attention adds the removed part
+back to the logits (exact). No extra bytes per token. The sums are kept per layer across steps (``TQKeptCenterSums``,
+set up by the warm-up before CUDA-graph capture): a row is recomputed only when its first page changed, which the
+tags of the rows and the per-block epochs that the store bumps tell on the device, so a steady decode step's sums
+launch only compares tags.
 """
 
 from dataclasses import dataclass
@@ -54,7 +57,7 @@ from ..config import TQConfig
 from ..formats import KV_FORMATS, get_format
 from ..ops.kernel_warmup import warmup_kernels
 from ..ops.key_centering import KeyCentering
-from ..ops.kv_store import tq_store
+from ..ops.kv_store import new_center_tags, tq_store
 from ..ops.page_layout import (
     ATTENTION_HEAD_DIMS,
     PagedTQLayout,
@@ -162,6 +165,25 @@ class TQLayerPlans:
 
 
 @dataclass
+class TQKeptCenterSums:
+    """Key-centering sums of a group's centred layers, kept across steps (tq_store's
+    ``center_tags`` and ``block_epochs``); each layer has its own rows, as its sums are
+    of its own first pages."""
+
+    sums: torch.Tensor  # [layers, max_num_seqs, Hkv, 2, dim_pad] fp32
+    # [layers, max_num_seqs, Hkv, 2] int32: (first block, its epoch) of each sums row
+    tags: torch.Tensor
+    # [num_blocks] int32, bumped by every store of a first-page token: one array per
+    # group, shared by the group's builders (micro-batches), as any of them may write
+    # a block
+    block_epochs: torch.Tensor
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> its (sums, tags)
+
+    def nbytes(self) -> int:
+        return (self.sums.numel() + self.tags.numel()) * 4
+
+
+@dataclass
 class TQAttentionMetadata(AttentionMetadata):
     # Tokens of real requests; rows past it are CUDA-graph padding.
     num_actual_tokens: int
@@ -184,11 +206,13 @@ class TQAttentionMetadata(AttentionMetadata):
     # Whether some prefill request has cached context to attend to.
     prefill_has_context: bool = False
     # Whole-batch metadata for key centering (token positions, first pages) and the
-    # per-(request, KV head) sums its store writes and attention reads.
+    # per-(request, KV head) sums its store writes and attention reads: a layer's own
+    # rows kept across steps, or (a layer without them) scratch recomputed each step.
     query_start_loc: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     center_sums: torch.Tensor | None = None
+    kept_center_sums: TQKeptCenterSums | None = None
 
 
 class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
@@ -228,9 +252,11 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             key: TQLayerPlans(self._new_plan(key[0]), self._new_plan(key[0]))
             for key in self._layer_variants(vllm_config, layer_names)
         }
-        # Key-centering sums, shared by the group's layers (each layer's store
-        # rewrites them before its attention reads them).
+        # Key-centering sums shared by the group's layers (each layer's store
+        # rewrites them before its attention reads them), for a centred layer that
+        # has no sums kept across steps (keep_center_sums).
         self.center_sums = None
+        self.kept_center_sums: TQKeptCenterSums | None = None
         if not self.layout.key_is_fp8:
             self.center_sums = torch.zeros(
                 vllm_config.scheduler_config.max_num_seqs,
@@ -249,6 +275,39 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             self.layout.fmt.bytes_per_token_per_head(kv_cache_spec.head_size),
             workspace_mb,
         )
+
+    def keep_center_sums(
+        self, layer_names: list[str], block_epochs: torch.Tensor
+    ) -> TQKeptCenterSums | None:
+        """Keep the key-centering sums of the centred layers ``layer_names`` across
+        steps: each gets its own sums rows and tags, and its store then recomputes only
+        the rows whose first page changed (turboquant_core.ops.kv_store.tq_store).
+        ``block_epochs`` (new_block_epochs, one per cache block): the group's counters,
+        shared by all of the group's builders. Call before CUDA-graph capture (the
+        captured launches keep these buffers), once: a later call with the same layers
+        and epochs returns the same buffers."""
+        kept = self.kept_center_sums
+        if kept is not None and list(kept.layers) == list(layer_names) and (
+            kept.block_epochs is block_epochs
+        ):
+            return kept
+        if self.center_sums is None or not layer_names:
+            return None
+        rows, num_kv_heads, _, dim_pad = self.center_sums.shape
+        n = len(layer_names)
+        sums = torch.zeros(
+            n, rows, num_kv_heads, 2, dim_pad, dtype=torch.float32, device=self.device
+        )
+        tags = new_center_tags(n * rows, num_kv_heads, self.device).view(
+            n, rows, num_kv_heads, 2
+        )
+        self.kept_center_sums = TQKeptCenterSums(
+            sums,
+            tags,
+            block_epochs,
+            {name: (sums[i], tags[i]) for i, name in enumerate(layer_names)},
+        )
+        return self.kept_center_sums
 
     def _layer_variants(
         self, vllm_config: VllmConfig, layer_names: list[str]
@@ -359,6 +418,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             seq_lens=cam.seq_lens,
             block_table=cam.block_table_tensor,
             center_sums=self.center_sums,
+            kept_center_sums=self.kept_center_sums,
         )
         if num_prefills == 0:
             return metadata
@@ -509,6 +569,7 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
                 self._layout_for(kv_cache),
             )
             return
+        center_sums, kept = _center_sums_of(md, layer)
         tq_store(
             key[:num_tokens],
             value[:num_tokens],
@@ -519,9 +580,10 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
             query_start_loc=md.query_start_loc,
             seq_lens=md.seq_lens,
             block_table=md.block_table,
-            center_sums=md.center_sums,
+            center_sums=center_sums,
             # decode-only batch: the centres first, then K and V in one launch
             single_token_requests=md.num_prefills == 0,
+            **kept,
         )
 
     def forward(
@@ -559,21 +621,27 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
                 query[:num_decode_tokens],
                 kv_cache,
                 out=output[:num_decode_tokens],
-                **self._centering_args(attn_metadata, 0, attn_metadata.num_decodes),
+                **self._centering_args(
+                    attn_metadata, layer, 0, attn_metadata.num_decodes
+                ),
             )
         if attn_metadata.num_prefills > 0:
-            self._prefill(query, key, value, kv_cache, attn_metadata, plans, output)
+            self._prefill(
+                layer, query, key, value, kv_cache, attn_metadata, plans, output
+            )
         return output
 
-    def _centering_args(self, md: TQAttentionMetadata, first: int, end: int) -> dict:
+    def _centering_args(
+        self, md: TQAttentionMetadata, layer, first: int, end: int
+    ) -> dict:
         if self.key_centering is None:
             return {}
-        return dict(
-            centering=self.key_centering, center_sums=md.center_sums[first:end]
-        )
+        center_sums, _ = _center_sums_of(md, layer)
+        return dict(centering=self.key_centering, center_sums=center_sums[first:end])
 
     def _prefill(
         self,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -622,11 +690,26 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
             kv_cache,
             out=context_out,
             return_lse=True,
-            **self._centering_args(md, first, first + md.num_prefills),
+            **self._centering_args(md, layer, first, first + md.num_prefills),
         )
         # vLLM's fused merge writes straight into the output rows (no fp32
         # temporaries); lse tensors are [num_heads, num_tokens], natural log.
         merge_attn_states(out, context_out, context_lse, fresh_out, fresh_lse)
+
+
+def _center_sums_of(
+    md: TQAttentionMetadata, layer
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sums ``layer``'s store writes and its attention reads, and the tq_store
+    arguments that keep them across steps: the layer's own rows when its builder keeps
+    them, else the group's scratch (recomputed every step) and none."""
+    kept = md.kept_center_sums
+    name = getattr(layer, "layer_name", None)
+    rows = None if kept is None else kept.layers.get(name)
+    if rows is None:
+        return md.center_sums, {}
+    sums, tags = rows
+    return sums, dict(center_tags=tags, block_epochs=kept.block_epochs)
 
 
 def _layer_metadata(layer) -> TQAttentionMetadata | None:

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The TurboQuant backend's key-centering glue (turboquant_core/vllm/backend.py, .warmup) without a GPU: builder and
+impl under the patched vLLM 0.26.0, kernels in Triton's interpreter, decode-only steps (prefill attention needs
+vLLM's FlashAttention, which the CPU does not have; its stores run here).
+
+Sums kept across steps: each centred layer of a group has its own rows and tags, its store and its attention use them,
+the group's layers and builders share one block-epoch array, and the result is the same bits as the scratch that is
+recomputed every step. Runs only where a patched vLLM imports (vllm_patches/README.md's CPU recipe); skips otherwise.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from turboquant_core.formats import get_format
+from turboquant_core.ops.key_centering import key_centering_tables
+from turboquant_core.ops.kv_store import new_block_epochs
+
+FMT, D, HKV, HQ, BS, NUM_BLOCKS = "turboquant_k3v4_nc", 64, 2, 4, 16, 24
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+@pytest.fixture(scope="module")
+def tq():
+    if torch.cuda.is_available():
+        pytest.skip("runs the kernels in the interpreter (on a GPU: test_tq_backend_gpu.py)")
+    from test_config_layer import _patched_vllm_dir, _select_cpu_platform_if_none_detected
+
+    _patched_vllm_dir()
+    try:
+        _select_cpu_platform_if_none_detected()
+        from turboquant_core.vllm import backend
+    except ImportError as e:
+        pytest.skip(f"patched vllm is installed but the backend does not import: {e}")
+    return backend
+
+
+@pytest.fixture
+def cpu_backend(tq, monkeypatch):
+    # decode-only steps never call FlashAttention; the impl only checks that it exists
+    monkeypatch.setattr(tq, "is_flash_attn_varlen_func_available", lambda: True)
+    monkeypatch.setattr(tq, "get_flash_attn_version", lambda head_size=None: 3)
+    return tq
+
+
+def _group(tq, *, max_num_seqs=6):
+    """Two centred layers (same RoPE tables) in one builder, each with its own cache."""
+    from vllm.v1.kv_cache_interface import TQFullAttentionSpec
+
+    cent = key_centering_tables(10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D), D, BS, 4096)
+    layers = {}
+    for name in LAYERS:
+        impl = tq.TQAttentionImpl(HQ, D, D ** -0.5, HKV, None, None, FMT)
+        impl.key_centering = cent
+        layers[name] = SimpleNamespace(impl=impl, layer_name=name)
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=FMT), model_config=SimpleNamespace(max_model_len=4096),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1), speculative_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        compilation_config=SimpleNamespace(static_forward_context=layers))
+    spec = TQFullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, head_size_v=D, dtype=torch.uint8,
+                               tq_slot_size=get_format(FMT).bytes_per_token_per_head(D))
+    builder = tq.TQAttentionMetadataBuilder(spec, LAYERS, config, torch.device("cpu"))
+    shape = tq.TQAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BS, HKV, D, FMT)
+    caches = {name: torch.zeros(shape, dtype=torch.uint8) for name in LAYERS}
+    return layers, builder, caches
+
+
+def _metadata(query_lens, seq_lens, block_table, slots):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=sl, num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=slots, seq_lens_cpu_upper_bound=sl)
+
+
+def _serve(tq, monkeypatch, keep: bool):
+    """Requests of 40, 15 and 9 tokens stored in one step (store only), then two decode steps (store + attention)
+    per layer; before the second, request 1 ends and vLLM moves request 2 into its row. Each layer's keys carry
+    its own shared component. Returns the decode outputs, the caches and the builder."""
+    layers, builder, caches = _group(tq)
+    if keep:
+        kept = builder.keep_center_sums(LAYERS, new_block_epochs(NUM_BLOCKS, "cpu"))
+        assert kept is builder.keep_center_sums(LAYERS, kept.block_epochs)  # once: the buffers stay
+    g = torch.Generator().manual_seed(0)
+    lens = [40, 15, 9]
+    table = (torch.randperm(NUM_BLOCKS - 1, generator=g)[:12] + 1).view(3, 4).to(torch.int32)
+    keys = {name: [torch.randn(n + 2, HKV, D, generator=g) + 3.0 * (1 - 2 * i) for n in lens]
+            for i, name in enumerate(LAYERS)}
+
+    def slots(r, positions):
+        return torch.tensor([int(table[r, p // BS]) * BS + p % BS for p in positions], dtype=torch.int64)
+
+    def step(rows, query_lens, done, attend):
+        new = [range(done[r], done[r] + q) for r, q in zip(rows, query_lens)]
+        sl = torch.cat([slots(r, p) for r, p in zip(rows, new)])
+        md = builder.build(0, _metadata(query_lens, [done[r] + q for r, q in zip(rows, query_lens)], table[rows], sl))
+        monkeypatch.setattr(tq, "_layer_metadata", lambda _layer: md)
+        outs = []
+        for name in LAYERS:
+            k = torch.cat([keys[name][r][p.start:p.stop] for r, p in zip(rows, new)]).to(torch.bfloat16)
+            layers[name].impl.do_kv_cache_update(layers[name], k, k, caches[name], sl)
+            if attend:
+                q = torch.randn(len(rows), HQ, D, generator=g).to(torch.bfloat16)
+                out = torch.zeros_like(q)
+                layers[name].impl.forward(layers[name], q, k, k, caches[name], md, output=out)
+                outs.append(out)
+        for r, q in zip(rows, query_lens):
+            done[r] += q
+        return outs
+
+    done = [0, 0, 0]
+    step([0, 1, 2], lens, done, attend=False)
+    outs = step([0, 1, 2], [1, 1, 1], done, attend=True)  # request 1 fills its first page
+    outs += step([0, 2], [1, 1], done, attend=True)
+    return outs, caches, builder, table
+
+
+def test_kept_sums_are_per_layer_and_the_same_bits_as_recomputed_ones(cpu_backend, monkeypatch):
+    kept_outs, kept_caches, builder, table = _serve(cpu_backend, monkeypatch, keep=True)
+    outs, caches, scratch_builder, _ = _serve(cpu_backend, monkeypatch, keep=False)
+    assert scratch_builder.kept_center_sums is None
+    for a, b in zip(kept_outs, outs, strict=True):
+        assert torch.equal(a, b)
+    for name in LAYERS:
+        assert torch.equal(kept_caches[name], caches[name])
+    kept = builder.kept_center_sums
+    # rows 0, 1 after the last step hold requests 0 and 2 (9 + 2 tokens: not full, invalid tag)
+    first = table[:, 0].tolist()
+    assert kept.tags[:, :2, :, 0].tolist() == [[[first[0]] * HKV, [-1] * HKV]] * len(LAYERS)
+    # one epoch array for the group: both layers bumped it for every first-page token
+    assert kept.block_epochs[table[:, 0].long()].tolist() == [2 * BS, 2 * BS, 2 * 11]
+    assert kept.tags[:, 0, :, 1].eq(2 * BS).all()
+    # each layer's rows are its own: the layers' keys differ, so do their sums
+    sums0, sums1 = (kept.layers[name][0][0] for name in LAYERS)
+    assert sums0.abs().max() > 1.0 and not torch.equal(sums0, sums1)
+
+
+def test_warmup_keeps_sums_for_the_centred_layers_of_every_builder(cpu_backend):
+    """Micro-batches: a group has one builder per micro-batch, each with its own rows; one epoch array is shared,
+    as any of them may store into a block. A layer without key centering gets no rows."""
+    from turboquant_core.vllm.warmup import _keep_center_sums
+
+    layers, builder, _ = _group(cpu_backend)
+    _, other, _ = _group(cpu_backend)
+    layers[LAYERS[1]].impl.key_centering = None
+    group = SimpleNamespace(layer_names=LAYERS, metadata_builders=[builder, other])
+    num_layers, nbytes = _keep_center_sums(group, layers, NUM_BLOCKS, "cpu")
+    a, b = builder.kept_center_sums, other.kept_center_sums
+    assert num_layers == 1 and list(a.layers) == [LAYERS[0]] and a.block_epochs is b.block_epochs
+    assert a.sums.data_ptr() != b.sums.data_ptr() and a.sums.shape == (1, 6, HKV, 2, D)
+    assert nbytes == 2 * a.nbytes() + NUM_BLOCKS * 4
