@@ -112,7 +112,8 @@ def _attend_tile(start, hi, m_i, l_i, acc0, acc1, qk0, qk1, pos, row_valid, wind
         valid = valid & (t[None, :] > pos[:, None] - window)
     s = tl.where(valid, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Running maxima are whole numbers (log2 domain, ``paged_decode_jit``): split-count-independent fp16 p.
+    m_new = tl.maximum(m_i, tl.ceil(tl.max(s, axis=1)))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])

@@ -340,7 +340,11 @@ def tq_paged_decode_kernel(
             gt = gsm_rows.index(pg - blk * CB).slice(0, NQ).load(head_l)
             s = s + gt[None, :]
         s = gl.where(tmask[:, None] & head_ok[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        # Running maxima are rounded up to whole numbers (scores are in the log2 domain): rescaling is then by
+        # exact powers of two, and a tile's fp16 probabilities (exp2 of s - m, s - m exact near the maximum)
+        # come out the same whichever split the tile falls in. The split count follows the batch; this keeps a
+        # sequence's output from following it (beyond fp32 rounding of the sums).
+        m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[None, :])
         alpha = gl.exp2(m_i - m_safe)

@@ -26,8 +26,9 @@ DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a 
 DECODE_BITS = (2, 3, 4)
 DECODE_BLOCK_N = 16  # tokens per tile (benchmarks/results/2026-11-24-h100-register-tile-decode/)
 DECODE_MAX_GROUP = 16
-# Programs to aim for when splitting the KV range: one-warp programs, many resident per SM.
-DECODE_PROGRAMS_PER_SM = 16
+# Programs to aim for when splitting the KV range: the one-warp programs resident per SM (14 at the centred
+# kernel's 142 registers on sm_90), so that a split batch runs in one wave, not one and a fraction.
+DECODE_PROGRAMS_PER_SM = 14
 ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
 
 
