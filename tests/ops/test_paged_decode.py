@@ -4,6 +4,8 @@ and codebook words on the CPU, its kernels compiled for sm_90 on the CPU (no GPU
 outputs against the reference and the Triton kernel."""
 
 import os
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 from tests.ops.test_codebook_lookup import _run_jit_helpers
 from tests.ops.test_paged import _check, _paged_batch
 from turboquant_core.formats import format_names, get_format
+from turboquant_core.kernels.paged_decode_jit import plane_transpose_asm
 from turboquant_core.ops.page_layout import paged_layout
 from turboquant_core.ops.paged import tq_paged_attention_ref
 from turboquant_core.ops.paged_attention import TQAttentionPlan
@@ -51,6 +54,43 @@ def test_codebook_words_equal_the_kernels_own(bits):
     _, cb = _run_jit_helpers(torch.zeros(4, dtype=torch.int32), table, bits)
     want = [w - (1 << 32) if w >= 1 << 31 else w for w in cb]
     assert list(codebook_permute_words(table)) == want
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode): output byte k = byte (sel >> 4k) & 7 of {b, a}, sign-replicated when bit 3."""
+    src = (a | (b << 32)).to_bytes(8, "little")
+    out = 0
+    for k in range(4):
+        s = (sel >> (4 * k)) & 0xF
+        byte = src[s & 7]
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * k)
+    return out
+
+
+def _run_prmt_asm(asm: str, inputs: list[int], n_out: int) -> list[int]:
+    """Emulate a ``{ .reg ...; prmt.b32 ...; }`` block of ``plane_transpose_asm``: $0..$(n_out-1) outputs, then
+    the inputs."""
+    regs = {f"${n_out + i}": v for i, v in enumerate(inputs)}
+    for stmt in re.findall(r"prmt\.b32 ([^;]+);", asm):
+        d, a, b, sel = (x.strip() for x in stmt.split(","))
+        regs[d] = _prmt(regs[a], regs[b], int(sel, 16))
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@pytest.mark.parametrize("b", [2, 3, 4])
+@pytest.mark.parametrize("gr", [1, 2, 4])
+def test_plane_transpose_asm_makes_words_from_planes(b, gr):
+    """Byte k of word g = byte g of plane k (the bytes a b-bit word uses; planes hold gr groups' bytes)."""
+    rng = random.Random(b * 10 + gr)
+    asm = plane_transpose_asm.fn(b, gr)  # the constexpr function's Python body
+    for _ in range(50):
+        planes = [rng.getrandbits(8 * gr) for _ in range(b)]
+        words = _run_prmt_asm(asm, planes, gr)
+        for g, w in enumerate(words):
+            for k in range(b):
+                assert (w >> (8 * k)) & 0xFF == (planes[k] >> (8 * g)) & 0xFF, (b, gr, g, k)
 
 
 def test_decode_path_applies_only_where_it_serves():
