@@ -505,6 +505,16 @@ def test_ngram_speculative_decoding(engine, tmp_path):
 HEAD_DIM_CONFIGS = {80: "phi-2-4l", 96: "phi-3-mini-4l"}
 
 
+def _check_dummy_outputs(got: dict, ref: dict, label: str) -> None:
+    """Finite, 16 tokens per prompt; agreement with bf16 over 4 tokens printed (dummy weights: not asserted)."""
+    _assert_finite(got)
+    for o in _outputs(got):
+        assert len(o["tokens"]) == 16, o["tokens"]
+    n_agree = _n_agree(_tokens(got), _tokens(ref), 4)
+    print(f"{label}: {n_agree}/{len(_tokens(ref))} prompts agree with bf16 over 4 tokens "
+          "(dummy weights; reported, not asserted)")
+
+
 @pytest.mark.parametrize("dtype", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
 @pytest.mark.parametrize("head_dim", sorted(HEAD_DIM_CONFIGS))
 def test_non_power_of_two_head_dim(engine, head_dim, dtype):
@@ -529,12 +539,7 @@ def test_non_power_of_two_head_dim(engine, head_dim, dtype):
     rows = _attention_rows(got)
     _assert_tq_attention(rows, dtype)
     assert {r["head_size"] for r in rows} == {head_dim}, rows
-    _assert_finite(got)
-    for o in _outputs(got):
-        assert len(o["tokens"]) == 16, o["tokens"]
-    n_agree = _n_agree(_tokens(got), _tokens(ref), 4)
-    print(f"head_dim {head_dim}, {dtype}: {n_agree}/{len(_tokens(ref))} prompts agree with bf16 over 4 tokens "
-          "(dummy weights; reported, not asserted)")
+    _check_dummy_outputs(got, ref, f"head_dim {head_dim}, {dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -580,12 +585,7 @@ def test_hybrid_model(engine, config_name):
         assert r["backend"] != TQ_BACKEND and "uint8" not in r["cache_dtypes"], r
         assert (r["backend"], r["cache_dtypes"]) == (ref_state[r["name"]]["backend"],
                                                      ref_state[r["name"]]["cache_dtypes"]), (r, ref_state[r["name"]])
-    _assert_finite(got)
-    for o in _outputs(got):
-        assert len(o["tokens"]) == 16, o["tokens"]
-    n_agree = _n_agree(_tokens(got), _tokens(ref), 4)
-    print(f"{config_name}, {dtype}: {n_agree}/{len(_tokens(ref))} prompts agree with bf16 over 4 tokens "
-          "(dummy weights; reported, not asserted)")
+    _check_dummy_outputs(got, ref, f"{config_name}, {dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -31,27 +31,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
 ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
-
-
-@gluon.jit
-def _nibbles(word, B: gl.constexpr):
-    """Words of 8 b-bit fields -> the fields one per nibble (``codebook_lookup_jit._nibble_fields``)."""
-    if B == 4:
-        return word
-    elif B == 3:
-        x = (word & 0xFFF) | ((word & 0xFFF000) << 4)
-        x = (x & 0x003F003F) | ((x & 0x0FC00FC0) << 2)
-        return (x & 0x07070707) | ((x & 0x38383838) << 1)
-    else:
-        x = (word & 0xFF) | ((word & 0xFF00) << 8)
-        x = (x & 0x000F000F) | ((x & 0x00F000F0) << 4)
-        return (x & 0x03030303) | ((x & 0x0C0C0C0C) << 2)
 
 
 @gluon.jit
@@ -72,7 +57,7 @@ def _lookup4(sel, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 @gluon.jit
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
-    x = _nibbles(word, B)
+    x = _nibble_fields(word, B)
     f0, f1, f2, f3 = _lookup4(x, c0, c1, c2, c3, c4, c5, c6, c7, B)
     f4, f5, f6, f7 = _lookup4(x >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
