@@ -92,7 +92,10 @@ if "center" in sys.argv[7:]:
     # all layers, at an offset that need not be 16-byte aligned
     kept = dict(center_tags=torch.full((3, 69, hkv, 2), -1, dtype=torch.int32)[1],
                 block_epochs=new_block_epochs(64, "cpu"))
-warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent)
+# "spec": speculative decoding with 3 draft tokens, verification planned as decode of 4 queries per request
+QL = 4 if "spec" in sys.argv[7:] else 1
+warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent,
+               decode_query_lens=(1, QL) if QL > 1 else (1,))
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -129,6 +132,18 @@ for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's lon
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
                   causal=True, sliding_window=window)
         plan.run(query[:reqs], cache, out=output[:reqs], **cen, **({"center_sums": sums} if cen else {}))
+    if QL > 1:  # verification: uniform drafts (CUDA-graph batches) and drafts of every length up to QL - 1
+        for lens in ([QL] * reqs, [1 + (i % QL) for i in range(reqs)]):
+            qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+            ntok = int(qsl[-1])
+            if cent is not None:
+                tq_store(key[:ntok], value[:ntok], cache, torch.arange(ntok), layout, centering=cent,
+                         query_start_loc=qsl, seq_lens=seq[:reqs], block_table=table[:reqs], center_sums=sums,
+                         **kept)
+            for max_seq in (40, 8192):
+                plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=ntok, max_query_len=QL, max_seq_len=max_seq,
+                          causal=True, sliding_window=window)
+                plan.run(query[:ntok], cache, out=output[:ntok], **cen, **({"center_sums": sums} if cen else {}))
 # Context after `first` decode rows (table slices start at row `first`), after a short cached context and
 # after a long one (a chunk of a long prefill or a prefix hit: the planner splits the KV range).
 for first in (0, 1, 3, 8):
@@ -208,6 +223,22 @@ def test_warmup_covers_every_serving_variant(case):
 def test_warmup_covers_every_centred_serving_variant(case):
     _check_coverage(_probe("keys", case, "center"),
                     SERVING_KERNELS | DECODE_KERNELS | {"tq_key_center_sums_kernel", "tq_center_queries_kernel"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,center", [(CASES[0], True), (CASES[1], False), (CASES[2], False)],
+                         ids=["k3v4-centred", "4bit", "k8v4-window"])
+def test_warmup_covers_speculative_verification(case, center):
+    """With speculative decoding, verification batches (1 + 3 draft tokens per request, uniform or not) run
+    as decode; the warm-up given those query lengths compiles what they launch."""
+    extra = ("spec", "center") if center else ("spec",)
+    kernels = SERVING_KERNELS | (DECODE_KERNELS if case[0] in REGISTER_TILE_CASES else set())
+    _check_coverage(_probe("keys", case, *extra), kernels)
+
+
+@pytest.mark.slow
+def test_verification_warmup_variants_compile_for_sm90():
+    _check_compiled(_probe("compile", CASES[0], "center", "spec"))
 
 
 @pytest.mark.slow

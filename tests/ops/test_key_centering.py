@@ -20,6 +20,7 @@ from turboquant_core.ops.key_centering import (
     token_centers_ref,
 )
 from turboquant_core.ops.paged import (
+    TQAttentionPlan,
     center_sums_cached_ref,
     center_sums_ref,
     dequant_cached_ref,
@@ -396,6 +397,30 @@ def test_centred_decode_attention_matches_reference(name, d, group, neox, splits
     # without the centre's logits the result is far off: the term matters at these magnitudes
     plain_out, _ = tq_paged_attention_ref(q, b.cache, b.lay, b.bt, qsl, sl, sliding_window=window)
     assert (plain_out.float() - ref_out.float()).abs().max() > 10 * OUT_ATOL
+
+
+@pytest.mark.parametrize("name,d,group,ql,splits", [
+    ("turboquant_k3v4_nc", 128, 4, 4, None),
+    ("turboquant_4bit_nc", 64, 3, 4, 2),
+    ("turboquant_k4v3_nc", 128, 8, 2, 1),
+])
+def test_centred_verification_attention_matches_reference(name, d, group, ql, splits, device):
+    """Speculative verification as decode (each request's last 1..ql tokens, causal), keys centred: on a GPU
+    the register-tile kernel with its centering operands per (query token, head)."""
+    b = _Batch(name, d, 2, SEQS, STEPS, device)
+    sl = b.seq_lens_t()
+    g = torch.Generator(device="cpu").manual_seed(3)
+    nq = [ql, 1, ql - 1]
+    q = (torch.randn(sum(nq), 2 * group, d, generator=g) * 0.5).to(device, torch.bfloat16)
+    qsl = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    plan = TQAttentionPlan(b.lay, 2 * group, 2, device)
+    plan.plan(b.bt, qsl, sl, num_tokens=sum(nq), max_query_len=ql, max_seq_len=max(SEQS), num_splits=splits)
+    assert (plan.decode_splits > 0) == (device == "cuda")
+    out, lse = plan.run(q, b.cache, return_lse=True, centering=b.cent, center_sums=b.sums)
+    sums_ref = center_sums_ref(b.cache, b.lay, b.cent, b.bt, sl)
+    ref_out, ref_lse = tq_paged_attention_ref(q, b.cache, b.lay, b.bt, qsl, sl, centering=b.cent,
+                                              center_sums=sums_ref)
+    _check(out, lse, ref_out, ref_lse)
 
 
 def test_centred_context_attention_matches_reference(device):

@@ -17,6 +17,7 @@ from tests.ops.test_codebook_lookup import _run_jit_helpers
 from tests.ops.test_paged import _check, _paged_batch
 from turboquant_core.formats import format_names, get_format
 from turboquant_core.kernels.paged_decode_jit import plane_transpose_asm
+from turboquant_core.ops import paged_decode
 from turboquant_core.ops.page_layout import paged_layout
 from turboquant_core.ops.paged import tq_paged_attention_ref
 from turboquant_core.ops.paged_attention import TQAttentionPlan
@@ -202,6 +203,40 @@ def test_register_tile_decode_matches_reference_and_triton(name, d, group, split
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc", "turboquant_2bit_nc"])
+@pytest.mark.parametrize("d,group,ql", [(64, 3, 4), (128, 4, 4), (128, 8, 2), (128, 1, 4), (64, 4, 3)])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_register_tile_verification_matches_reference_and_triton(name, d, group, ql, splits):
+    """Speculative verification as decode: each request's last 1..ql tokens, causal among themselves (a column
+    per (query token, head)), contexts from as short as the queries to several tiles, splits that end inside
+    the queries' own tokens."""
+    q_lens = [ql, 1, ql - 1, ql, 2]
+    lay, cache, bt, qsl, sl, q = _paged_batch(name, d, 2, group, [ql, 37, 64, 213, 17], q_lens, "cuda", seed=4)
+    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=ql, max_seq_len=213, num_splits=splits)
+    assert plan.decode_splits > 0
+    out, lse = plan.run(q, cache, return_lse=True)
+    ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
+    _check(out, lse, ref_out, ref_lse)
+    plan.decode_splits = 0
+    tri_out, _ = plan.run(q, cache, return_lse=True)
+    torch.testing.assert_close(out.float(), tri_out.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_decode_path_serves_verification_up_to_16_columns(monkeypatch):
+    monkeypatch.setattr(paged_decode, "_gluon_runs", lambda device: True)  # as on a GPU
+    lay = paged_layout("turboquant_k3v4_nc", 128, 16)
+    kw = dict(causal=True, sliding_window=None)
+    cuda = torch.device("cuda")
+    assert decode_path_applies(lay, 4, cuda, max_query_len=4, **kw)
+    assert decode_path_applies(lay, 3, cuda, max_query_len=5, **kw)
+    assert decode_path_applies(lay, 16, cuda, max_query_len=1, **kw)
+    assert not decode_path_applies(lay, 4, cuda, max_query_len=5, **kw)  # 20 columns
+    assert not decode_path_applies(lay, 4, cuda, max_query_len=4, causal=False, sliding_window=None)
+    assert not decode_path_applies(lay, 4, cuda, max_query_len=4, causal=True, sliding_window=64)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
 def test_decode_output_barely_depends_on_the_split_count(name):
     """The split count follows the batch (``num_decode_splits``), so a request's output must not follow it: with
@@ -220,6 +255,25 @@ def test_decode_output_barely_depends_on_the_split_count(name):
         differ = (o != outs[0]).float().mean().item()
         assert differ < 0.04, f"{differ:.2%} of the outputs differ between split counts"
         torch.testing.assert_close(o, outs[0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_register_tile_verification_in_a_cuda_graph():
+    """A uniform verification batch (4 queries per request), captured once and replayed after the batch's
+    metadata changed in place (as vLLM's full CUDA graphs do)."""
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [9, 300, 60], [4, 4, 4], "cuda")
+    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+    plan.plan(bt, qsl, sl, num_tokens=12, max_query_len=4, max_seq_len=4096)
+    out = torch.empty_like(q)
+    plan.run(q, cache, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run(q, cache, out=out)
+    sl.copy_(torch.tensor([7, 299, 58], dtype=torch.int32))
+    out.zero_()
+    g.replay()
+    ref_out, _ = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.gpu

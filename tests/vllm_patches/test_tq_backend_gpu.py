@@ -43,7 +43,7 @@ def tq_attn():
 
 
 def make_backend(tq_attn, fmt, *, num_heads, num_kv_heads, head_size, block_size, window=None, scale=None,
-                 max_model_len=4096):
+                 max_model_len=4096, num_speculative_tokens=None):
     from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
     scale = scale if scale is not None else head_size ** -0.5
@@ -53,7 +53,8 @@ def make_backend(tq_attn, fmt, *, num_heads, num_kv_heads, head_size, block_size
         cache_config=SimpleNamespace(cache_dtype=fmt),
         model_config=SimpleNamespace(max_model_len=max_model_len),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
-        speculative_config=None,
+        speculative_config=None if num_speculative_tokens is None else SimpleNamespace(
+            num_speculative_tokens=num_speculative_tokens, parallel_drafting=False),
         scheduler_config=SimpleNamespace(max_num_seqs=64),
         compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}),
     )
@@ -115,17 +116,17 @@ def fill_and_run(impl, layer, builder, batch, cache, *, cudagraph=False):
     return out
 
 
-def reference(batch, cache, layout, scale, window, centering=None, center_sums=None):
-    """float64 attention: decode rows over the dequantized cache, prefill rows over the dequantized
-    context plus their fresh bf16 K/V."""
+def reference(batch, cache, layout, scale, window, centering=None, center_sums=None, decode_threshold=1):
+    """float64 attention: decode rows (query length <= decode_threshold) over the dequantized cache, prefill
+    rows over the dequantized context plus their fresh bf16 K/V."""
     hq, d = batch.q.shape[1], batch.q.shape[2]
     out = torch.zeros(batch.num_tokens, hq, d, dtype=torch.float64, device=DEVICE)
     for r, (ctx, ql) in enumerate(batch.requests):
         t0 = batch.qsl[r]
         row = batch.block_table[r].to(DEVICE)
         cen = dict(centering=centering, center_sums_row=None if centering is None else center_sums[r])
-        if ql == 1:
-            k, v = dequant_cached_ref(cache, layout, row, ctx + 1, **cen)
+        if ql <= decode_threshold:
+            k, v = dequant_cached_ref(cache, layout, row, ctx + ql, **cen)
         else:
             kc, vc = dequant_cached_ref(cache, layout, row, ctx, **cen)
             k = torch.cat([kc, batch.k[t0:t0 + ql].float()])
@@ -231,6 +232,81 @@ def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size, decode
     _check(out, reference(batch, cache, layout, 0.07, None, impl.key_centering, sums), f"centred block={block_size}")
     plain = reference(batch, cache, layout, 0.07, None)
     assert (plain - out.double()).abs().max() > 0.1  # the centres are really there
+
+
+@pytest.mark.parametrize("centred", [False, True], ids=["plain", "centred"])
+def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
+    """With 3 speculative tokens the decode threshold is 4: verification rows (each request's last 1-4 tokens)
+    take the decode plan (4 queries per request), read their own tokens back from the cache and attend causally
+    among themselves; a longer chunk stays prefill. Then a uniform verification batch (what vLLM's full CUDA
+    graphs replay) captured from build_for_cudagraph_capture gives what eager gives."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    fmt, d, bs = "turboquant_k3v4_nc", 128, 16
+    gen = torch.Generator().manual_seed(6)
+    kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=bs)
+    impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, num_speculative_tokens=3, **kw)
+    assert builder.reorder_batch_threshold == 4
+    if centred:
+        theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        impl.key_centering = key_centering_tables(theta, d, bs, 4096, device=DEVICE)
+    # verification rows (4, 1, 3 queries; one whose first page fills in this step), then a prefill chunk
+    requests = [(55, 4), (130, 1), (13, 3), (300, 4), (100, 29)]
+    batch = Batch(requests, num_blocks=256, gen=gen, **kw)
+    batch.k_ctx += 4.0
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(256, bs, 4, d, fmt), dtype=torch.uint8,
+                        device=DEVICE)
+    ctx_lens = torch.tensor([c for c, _ in requests], dtype=torch.int32)
+    ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
+    cam_ctx = CommonAttentionMetadata(
+        query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
+        num_reqs=len(requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
+        max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
+        slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens)
+    md_ctx = builder.build(0, cam_ctx)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
+    impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
+    md = builder.build(0, batch.cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.decode_query_len, md.num_prefills) == (4, 12, 4, 1)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
+    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
+    layout = paged_layout(fmt, d, bs)
+    cen = {}
+    if centred:
+        sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
+        cen = dict(centering=impl.key_centering, center_sums=sums)
+    _check(out, reference(batch, cache, layout, 0.07, None, decode_threshold=4, **cen), "verification")
+
+    # A uniform verification batch (the decodes above, each with 4 queries), captured and replayed.
+    uni = [(c + q, 4) for c, q in requests[:4]]
+    ubatch = Batch(uni, num_blocks=256, gen=gen, **kw)
+    ubatch.block_table, ubatch.cam = batch.block_table[:4], ubatch.cam.replace(
+        block_table_tensor=batch.block_table[:4].to(DEVICE))
+    ubatch.step_slots = torch.tensor([int(ubatch.block_table[r, p // bs]) * bs + p % bs
+                                      for r, (c, q) in enumerate(uni) for p in range(c, c + q)],
+                                     dtype=torch.int64, device=DEVICE)
+    ubatch.cam = ubatch.cam.replace(slot_mapping=ubatch.step_slots)
+    md_g = builder.build_for_cudagraph_capture(ubatch.cam)
+    assert (md_g.num_prefills, md_g.decode_query_len) == (0, 4)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_g)
+    out_g = torch.zeros_like(ubatch.q)
+    impl.do_kv_cache_update(layer, ubatch.k, ubatch.v, cache, ubatch.step_slots)
+    impl.forward(layer, ubatch.q, ubatch.k, ubatch.v, cache, md_g, output=out_g)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, ubatch.q, ubatch.k, ubatch.v, cache, md_g, output=out_g)
+    out_g.zero_()
+    graph.replay()
+    md_e = builder.build(0, ubatch.cam)
+    eager = torch.zeros_like(out_g)
+    impl.forward(layer, ubatch.q, ubatch.k, ubatch.v, cache, md_e, output=eager)
+    torch.testing.assert_close(out_g, eager, atol=2e-3, rtol=2e-3)
+    if centred:
+        sums = center_sums_ref(cache, layout, impl.key_centering, ubatch.block_table.to(DEVICE), ubatch.cam.seq_lens)
+        cen = dict(centering=impl.key_centering, center_sums=sums)
+    _check(out_g, reference(ubatch, cache, layout, 0.07, None, decode_threshold=4, **cen), "uniform verification")
 
 
 def test_prefill_without_context_writes_output_directly(tq_attn):

@@ -9,10 +9,11 @@ operand fragments their fields fill, so a tile goes from global memory to ``mma.
 memory. The coordinate order is chosen to make that possible: rotated coordinates may be permuted freely
 as long as the query and the output rotations are permuted alike (``ops.paged_decode`` builds those rows).
 
-One warp serves one (request, KV head, KV split) and all query heads of its GQA group. The products are
-transposed so that MMA rows are tokens and head dimensions, never empty query rows (a group of 4 would fill 4
-of 16): per tile of BN = 16 tokens (m16n8k16, fp16 operands, fp32 accumulators), NQ = the group padded to 8
-or 16:
+One warp serves one (request, KV head, KV split) and all queries of its GQA group: the QL last tokens of the
+request (QL = 1 for decode; up to 1 + the draft length when verifying speculative tokens) times the group's
+heads, one MMA column per (query token, head). The products are transposed so that MMA rows are tokens and
+head dimensions, never empty query rows (a group of 4 would fill 4 of 16): per tile of BN = 16 tokens
+(m16n8k16, fp16 operands, fp32 accumulators), NQ = QL x group padded to 8 or 16:
 - scores S^T[BN, NQ] = K[BN, DP] . Q'^T[DP, NQ], K the A operand: word (token t, group g) of a b-bit
   component holds 8 fields; field j of group g = GR*gl + gr (gl < 4 from lane bits, gr < GR = DP/32 from
   registers) sits at K position  j0 + 2*gl + 8*j1 + 16*j2 + 32*gr  (j = j0 + 2*j1 + 4*j2);
@@ -218,10 +219,13 @@ def tq_paged_decode_kernel(
     DP: gl.constexpr, GQ: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr,
+    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, QL: gl.constexpr,
 ):
-    """Grid (requests, KV heads, splits), one warp each; one query per request (decode). Writes the split's
-    normalized output in V order to PART_O[split, token, head, :DP] and its log2-sum-exp to PART_L.
+    """Grid (requests, KV heads, splits), one warp each. A request's queries are its last q_len <= QL tokens
+    (q_len from QUERY_START; causal: query i sees the first kv_len - q_len + 1 + i cached tokens); column
+    c = i * GQ + h of the products is query token i, head h. Writes the split's normalized output in V order to
+    PART_O[split, token, head, :DP] and its log2-sum-exp to PART_L (-inf for a query that sees no token of the
+    split).
 
     ``CENTER`` (keys stored with key centering, ``key_centering_jit``): a tile lies in one page p (BN
     divides the page size), whose tokens' scores get q . c_p = row scale * (w . PC[p] + z . PS[p]); w, z
@@ -230,7 +234,8 @@ def tq_paged_decode_kernel(
     read back per tile."""
     GR: gl.constexpr = DP // 32
     GRV: gl.constexpr = DP // 64
-    NQ: gl.constexpr = 8 if GQ <= 8 else 16
+    NQ: gl.constexpr = 8 if GQ * QL <= 8 else 16
+    gl.static_assert(GQ * QL <= 16, "one MMA column per (query token, head): at most 16")
     gl.static_assert(BN == 16, "one MMA row tile of tokens")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -244,18 +249,22 @@ def tq_paged_decode_kernel(
     req = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    tok = gl.load(QUERY_START + req).to(gl.int64)
+    tok32 = gl.load(QUERY_START + req)
+    tok = tok32.to(gl.int64)
     kv_len = gl.load(SEQ_LENS + req)
+    q_len = 1
+    if QL > 1:
+        q_len = gl.load(QUERY_START + req + 1) - tok32
     per_split = (kv_len + num_splits - 1) // num_splits
     chunk = (per_split + BN - 1) // BN * BN
     lo = split * chunk
     hi = gl.minimum(kv_len, lo + chunk)
 
-    # Q'^T [DP, NQ]: column h = query head kvh*GQ + h for h < GQ, zero otherwise.
+    # Q'^T [DP, NQ]: column c = i * GQ + h = query token tok + i, head kvh*GQ + h (c < GQ * q_len), zero otherwise.
     qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))
-    qh = gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
-    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qh)[None, :] * stride_qh + qd[:, None],
-                mask=(qh < GQ)[None, :] & (qd < DP)[:, None], other=0.0)
+    qc = gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
+    q = gl.load(QROT + (tok + qc // GQ)[None, :] * stride_qt + (kvh * GQ + qc % GQ)[None, :] * stride_qh + qd[:, None],
+                mask=(qc < GQ * q_len)[None, :] & (qd < DP)[:, None], other=0.0)
 
     kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
     vp_l: gl.constexpr = gl.SliceLayout(2, vw_l)
@@ -265,8 +274,10 @@ def tq_paged_decode_kernel(
     vtok = gl.arange(0, BN, layout=gl.SliceLayout(1, vp_l))
     ts = gl.arange(0, BN, layout=tok_l)
 
-    heads = gl.arange(0, NQ, layout=head_l)
-    head_ok = heads < GQ
+    cols = gl.arange(0, NQ, layout=head_l)
+    col_ok = cols < GQ * q_len
+    # Causal limit of each column: its query token sees cached positions < lim (0 for empty columns).
+    lim = gl.where(col_ok, kv_len - q_len + 1 + cols // GQ, 0)
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=head_l)
     l_acc = gl.zeros([BN, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
     acc = gl.zeros([DP, NQ], gl.float32, layout=mma)
@@ -281,10 +292,11 @@ def tq_paged_decode_kernel(
         ak = gl.arange(0, KC, layout=gl.SliceLayout(0, a_op))
         bk = gl.arange(0, KC, layout=gl.SliceLayout(1, b_op))
         bp = gl.arange(0, CB, layout=gl.SliceLayout(0, b_op))
-        cptr = CWZ + tok * stride_ct + (kvh * GQ + ar)[:, None] * stride_ch2 + ak[None, :]
-        cmask = (ar < GQ)[:, None] & (ak < KC)[None, :]
+        cptr = CWZ + (tok + ar // GQ)[:, None] * stride_ct + (kvh * GQ + ar % GQ)[:, None] * stride_ch2 + ak[None, :]
+        cmask = (ar < GQ * q_len)[:, None] & (ak < KC)[None, :]
         crow = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + crow, mask=crow < GQ, other=0.0)
+        cscale = gl.load(CSCALE + (tok + crow // GQ) * stride_st + kvh * GQ + crow % GQ, mask=crow < GQ * q_len,
+                         other=0.0)
         gsm = gl.allocate_shared_memory(gl.float32, [CB, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm_rows = gsm._reinterpret(gl.float32, [CB, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     cur_blk = -1
@@ -324,7 +336,10 @@ def tq_paged_decode_kernel(
         if CENTER:
             gt = gsm_rows.index(pg - blk * CB).slice(0, NQ).load(head_l)
             s = s + gt[None, :]
-        s = gl.where(tmask[:, None] & head_ok[None, :], s, float("-inf"))
+        if QL == 1:
+            s = gl.where(tmask[:, None] & col_ok[None, :], s, float("-inf"))
+        else:
+            s = gl.where(tmask[:, None] & ((start + ts)[:, None] < lim[None, :]), s, float("-inf"))
         # Running maxima are rounded up to whole numbers (scores are in the log2 domain): rescaling is then by
         # exact powers of two, and a tile's fp16 probabilities (exp2 of s - m, s - m exact near the maximum)
         # come out the same whichever split the tile falls in. The split count follows the batch; this keeps a
@@ -352,11 +367,12 @@ def tq_paged_decode_kernel(
     o = acc / l_safe[None, :]
     lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
     od = gl.arange(0, DP, layout=gl.SliceLayout(1, mma))
-    hq = kvh * GQ + heads
+    hq = kvh * GQ + cols % GQ
+    qt = tok + cols // GQ
     sp = split.to(gl.int64)
-    gl.store(PART_O + sp * stride_pos + tok * stride_pot + hq[None, :] * stride_poh + od[:, None], o,
-             mask=head_ok[None, :] & (od < DP)[:, None])
-    gl.store(PART_L + sp * stride_pls + tok * stride_plt + hq, lse2, mask=head_ok)
+    gl.store(PART_O + sp * stride_pos + qt[None, :] * stride_pot + hq[None, :] * stride_poh + od[:, None], o,
+             mask=col_ok[None, :] & (od < DP)[:, None])
+    gl.store(PART_L + sp * stride_pls + qt * stride_plt + hq, lse2, mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -380,13 +396,18 @@ def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stri
 def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_sr, stride_sh, CWZ, stride_ct,
                              stride_ch, CSCALE, stride_st, center_scale,
                              GQ: tl.constexpr, GQP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                             ROT_HALF: tl.constexpr, NEOX: tl.constexpr):
-    """Grid (requests, KV heads), one query per request: the key-centering operands of the GQA group's
-    queries (``key_centering_jit._center_query_operands``): w = q * mu, z = q * mup (natural order, fp16,
-    divided by the row scale) to CWZ[t, head, 0 / 1, :], the row scale to CSCALE[t, head]."""
+                             ROT_HALF: tl.constexpr, NEOX: tl.constexpr, QL: tl.constexpr):
+    """Grid (requests, KV heads, QL), query token i = program_id(2) of the request (if it has one): the
+    key-centering operands of the GQA group's queries (``key_centering_jit._center_query_operands``):
+    w = q * mu, z = q * mup (natural order, fp16, divided by the row scale) to CWZ[t, head, 0 / 1, :], the row
+    scale to CSCALE[t, head]."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
-    tok = tl.load(QUERY_START + req).to(tl.int64)
+    first = tl.load(QUERY_START + req)
+    if QL > 1:
+        if tl.program_id(2) >= tl.load(QUERY_START + req + 1) - first:
+            return
+    tok = (first + tl.program_id(2)).to(tl.int64)
     r = tl.arange(0, GQP)
     i = tl.arange(0, D_PAD)
     rmask = r < GQ

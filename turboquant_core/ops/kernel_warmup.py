@@ -16,12 +16,13 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
                    dtype: torch.dtype = torch.bfloat16, sliding_window: int | None = None,
                    softmax_scale: float | None = None, paths: tuple[str, ...] = ("decode", "context"),
                    block_id: int = 0, config: TQAttentionConfig | None = None,
-                   centering: KeyCentering | None = None) -> list[dict]:
+                   centering: KeyCentering | None = None, decode_query_lens: tuple[int, ...] = (1,)) -> list[dict]:
     """Launch every kernel variant a serving engine reaches once, so Triton compiles them at start-up
     and not inside the first requests. Returns the launches made (their plan parameters).
 
-    Variants follow from ``TQAttentionPlan.plan``: the store; for "decode" (one query per request,
-    causal, no lse) split and unsplit; for "context" (queries after cached context, with lse: chunked
+    Variants follow from ``TQAttentionPlan.plan``: the store; for "decode" (causal, no lse; the queries per
+    request of ``decode_query_lens``: 1, and 1 + the draft tokens where speculative verification runs as
+    decode) split and unsplit; for "context" (queries after cached context, with lse: chunked
     prefill, prefix hits) every (query block size, one-block) shape the query length can select,
     split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
     run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
@@ -31,6 +32,8 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     epochs, as a serving engine keeps them per layer)."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
+    if any(n < 1 or n > bs for n in decode_query_lens):
+        raise ValueError(f"decode_query_lens {decode_query_lens} must lie in [1, block size {bs}]")
     if not 0 <= block_id < cache.shape[0]:
         raise ValueError(f"block_id {block_id} outside the cache's {cache.shape[0]} blocks")
     zeros = torch.zeros(bs, num_kv_heads, d, dtype=dtype, device=dev)
@@ -61,7 +64,7 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
             plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
                       causal=False)
             shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
-    runs = [("decode", 1, True)] if "decode" in paths else []
+    runs = [("decode", qlen, True) for qlen in decode_query_lens] if "decode" in paths else []
     runs += [("context", qlen, False) for qlen in sorted(shapes.values())]
     for path, qlen, causal in runs:
         q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)

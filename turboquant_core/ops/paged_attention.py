@@ -14,10 +14,11 @@ sums the store wrote. Plain-torch references: ``ops.paged_reference`` (``tq_page
 
 Which path to use
 -----------------
-- Decode (one query per request): ``TQAttentionPlan`` with ``causal=True``. Where ``ops.paged_decode`` serves
-  the batch (one-segment 2- to 4-bit formats, head_dim 64 or 128, no sliding window, on CUDA) it runs the
-  register-tile kernel, otherwise the Triton kernel below; both read each compressed page once per GQA group.
-- Speculative verification (few queries per request): the Triton kernel, ``causal=True``.
+- Decode (one query per request) and speculative verification (each request's few last tokens):
+  ``TQAttentionPlan`` with ``causal=True``. Where ``ops.paged_decode`` serves the batch (one-segment 2- to
+  4-bit formats, head_dim 64 or 128, no sliding window, queries x GQA group <= 16, on CUDA) it runs the
+  register-tile kernel, otherwise the Triton kernel below; both read each compressed page once per GQA group
+  and query block.
 - Context part of a long prefill chunk (hundreds of queries per request): ``tq_gather_dequant`` into a
   bounded bf16 workspace, then FlashAttention with lse and ``merge_attn_states``. The paged kernel
   also serves it (``causal=False``), but re-dequantizes the context once per query block; use it for

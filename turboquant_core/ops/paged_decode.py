@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode attention with the dequantized tiles built in tensor-core registers (``kernels.paged_decode_jit``).
 
-``TQAttentionPlan`` takes this path for decode batches it serves (``decode_path_applies``): one query per
-request, causal, no sliding window, codebook keys and values of one 2- to 4-bit segment each, head_dim 64
-or 128, a page size that is a multiple of the 16-token tile, a CUDA device (compute capability 8.0 or newer;
-not the Triton interpreter). Three launches (four with key centering): the queries rotated into
+``TQAttentionPlan`` takes this path for decode batches it serves (``decode_path_applies``): causal queries
+that are each request's last tokens, at most 16 (query token, head) pairs per KV head (one query per request,
+or the few of speculative verification), no sliding window, codebook keys and values of one 2- to 4-bit
+segment each, head_dim 64 or 128, a page size that is a multiple of the 16-token tile, a CUDA device (compute
+capability 8.0 or newer; not the Triton interpreter). Three launches (four with key centering): the queries rotated into
 the kernel's K order (``tq_rotate_queries_kernel``; and their centering operands,
 ``tq_center_queries_kernel``), the attention (one warp per request, KV head and split), and the split merge
 with the rotation back (``tq_merge_unrotate_kernel``). Same math and reference as ``ops.paged_attention``.
@@ -25,7 +26,7 @@ LN2 = math.log(2.0)
 DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a warp's registers
 DECODE_BITS = (2, 3, 4)
 DECODE_BLOCK_N = 16  # tokens per tile (benchmarks/results/2026-11-24-h100-register-tile-decode/)
-DECODE_MAX_GROUP = 16
+DECODE_MAX_COLUMNS = 16  # (query token, head) pairs per KV head: the kernel's MMA columns
 # Programs to aim for when splitting the KV range: the one-warp programs resident per SM (14 at the centred
 # kernel's 142 registers on sm_90), so that a split batch runs in one wave, not one and a fraction.
 DECODE_PROGRAMS_PER_SM = 14
@@ -35,11 +36,12 @@ ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation an
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
                         causal: bool, sliding_window: int | None) -> bool:
     """Whether ``TQAttentionPlan`` runs this batch on the register-tile decode kernel (with or without key
-    centering: a tile never spans a page, so the page centre is one value per tile)."""
+    centering: a tile never spans a page, so the page centre is one value per tile). ``max_query_len`` > 1:
+    speculative verification, each request's queries its last tokens (``causal``)."""
     fmt = layout.fmt
     one_segment = all(c.has_codebook and c.bits in DECODE_BITS for c in (fmt.key, fmt.value))
-    return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and group <= DECODE_MAX_GROUP
-            and max_query_len == 1 and causal and sliding_window is None
+    return (one_segment and layout.head_dim in DECODE_HEAD_DIMS and max_query_len >= 1
+            and group * max_query_len <= DECODE_MAX_COLUMNS and causal and sliding_window is None
             and layout.block_size % DECODE_BLOCK_N == 0 and _gluon_runs(str(device)))
 
 
@@ -161,12 +163,13 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     cwz = ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d)
     cscale = ws[s_off:end].view(tq, hq)
     gqp = triton.next_power_of_2(plan.group)
+    ql = plan.max_query_len
     if centering is not None:
-        tq_center_queries_kernel[(plan.num_reqs, hkv)](
+        tq_center_queries_kernel[(plan.num_reqs, hkv, ql)](
             q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
             center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
             plan.softmax_scale / LN2, GQ=plan.group, GQP=gqp, D=d, D_PAD=d, ROT_HALF=centering.rot_half,
-            NEOX=centering.neox, num_warps=4)
+            NEOX=centering.neox, QL=ql, num_warps=4)
         page_cos, page_sin, num_pages = centering.page_cos16, centering.page_sin16, centering.num_pages
     else:
         page_cos = page_sin = cscale
@@ -190,7 +193,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
         KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
-        CENTER=centering is not None, num_warps=1,
+        CENTER=centering is not None, QL=ql, num_warps=1,
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out

@@ -187,9 +187,13 @@ class TQKeptCenterSums:
 class TQAttentionMetadata(AttentionMetadata):
     # Tokens of real requests; rows past it are CUDA-graph padding.
     num_actual_tokens: int
-    # Requests with query length <= 1; the batch is reordered so they come first.
+    # Requests with query length <= the builder's reorder threshold (1, or 1 + the
+    # speculative tokens: verification runs as decode); the batch is reordered so
+    # they come first. Each decode's queries are its last tokens.
     num_decodes: int
     num_decode_tokens: int
+    # Queries per decode the decode plan was made for (upper bound; 1: single tokens).
+    decode_query_len: int
     # Requests after the decodes, with their real token count (from the CPU copy of
     # query_start_loc, so padding rows are excluded).
     num_prefills: int
@@ -216,12 +220,11 @@ class TQAttentionMetadata(AttentionMetadata):
 
 
 class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
-    # Pure single-token decode batches replay as full CUDA graphs: the decode plan
-    # makes no host sync and reads only persistent metadata buffers. Mixed batches
+    # Uniform decode batches (one query per request, or 1 + the speculative tokens
+    # when verifying drafts) replay as full CUDA graphs: the decode plan makes no
+    # host sync and reads only persistent metadata buffers. Mixed batches
     # (FlashAttention prefill + context merge) run piecewise.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    )
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(
         self,
@@ -231,8 +234,9 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         device: torch.device,
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Decodes first, then prefills: one decode launch and one prefill pass.
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # Decodes first, then prefills: one decode launch and one prefill pass. With
+        # speculative decoding, verification (1 + draft tokens per request) is decode.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
         self.cache_dtype = vllm_config.cache_config.cache_dtype
         _check_tq_dtype(self.cache_dtype)
@@ -351,6 +355,8 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             self.layout.fmt, self.layout.head_dim, kv_cache.shape[-1] // per_token
         )
         launches = 0
+        threshold = self.reorder_batch_threshold or 1
+        decode_query_lens = (1, threshold) if threshold > 1 else (1,)
         for num_heads, window, scale in self.plans:
             launches += len(
                 warmup_kernels(
@@ -362,6 +368,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                     sliding_window=window,
                     softmax_scale=scale,
                     centering=centering,
+                    decode_query_lens=decode_query_lens,
                 )
             )
         return launches
@@ -392,6 +399,11 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         num_reqs = cam.num_reqs
         qsl_cpu = cam.query_start_loc_cpu
 
+        # Queries per decode: 1, else the threshold (one compiled variant for every
+        # verification batch, whatever its drafts' lengths).
+        decode_query_len = 1
+        if num_decode_tokens > num_decodes:
+            decode_query_len = self.reorder_batch_threshold
         if num_decodes > 0:
             for (_, window, scale), plans in self.plans.items():
                 plans.decode.plan(
@@ -399,7 +411,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                     cam.query_start_loc[: num_decodes + 1],
                     cam.seq_lens[:num_decodes],
                     num_tokens=num_decode_tokens,
-                    max_query_len=1,
+                    max_query_len=decode_query_len,
                     max_seq_len=decode_max_seq_len,
                     causal=True,
                     sliding_window=window,
@@ -410,6 +422,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             num_actual_tokens=cam.num_actual_tokens,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
+            decode_query_len=decode_query_len,
             num_prefills=num_prefills,
             num_prefill_tokens=0,
             slot_mapping=cam.slot_mapping,
@@ -581,8 +594,8 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
             seq_lens=md.seq_lens,
             block_table=md.block_table,
             center_sums=center_sums,
-            # decode-only batch: the centres first, then K and V in one launch
-            single_token_requests=md.num_prefills == 0,
+            # single-token decodes only: the centres first, then K and V in one launch
+            single_token_requests=md.num_prefills == 0 and md.decode_query_len == 1,
             **kept,
         )
 
