@@ -28,7 +28,6 @@ import triton
 from ..kernels.key_centering_jit import tq_key_center_sums_kernel
 from ..kernels.paged_store_jit import tq_paged_store_kernel
 from .key_centering import KeyCentering
-from .launch import launch
 from .page_layout import (
     PagedTQLayout,
     _cache_views,
@@ -112,7 +111,7 @@ def _launch_center_sums(u8, f16, layout: PagedTQLayout, centering: KeyCentering,
     lc = layout.kernel_constexprs()
     cached = center_tags is not None
     tags, epochs = (center_tags, block_epochs) if cached else (seq_lens, seq_lens)  # placeholders: not read
-    launch(tq_key_center_sums_kernel, (num_reqs, num_kv_heads),
+    tq_key_center_sums_kernel[(num_reqs, num_kv_heads)](
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens,
         kc.rot_hi, kc.rot_lo, kc.centroids[0], kc.centroids[-1], centering.pos_cos, centering.pos_sin,
         out, out.stride(0), out.stride(1), kc.rot_scale,
@@ -170,13 +169,13 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     vlev0, vbnd0, vlev1, vbnd1 = vc.encode_tables()
     bn = 16  # rows per program: decode batches have few tokens, so more and shorter programs
 
-    def store(mode: int) -> None:
+    def launch(mode: int) -> None:
         cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
         bump = block_epochs is not None and mode in (1, 3)  # the launches that store first-page keys
         grid = (triton.cdiv(num_tokens, bn), num_kv_heads, 1 if mode == 2 else 2)
         # Mode 3 holds both key passes in one program: at 4 warps that needs more than the 128 registers per
         # thread ptxas gives it (a stack frame on sm_90); 8 warps halve each thread's share of the tiles.
-        launch(tq_paged_store_kernel, grid,
+        tq_paged_store_kernel[grid](
             key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
             u8, f16, u8.stride(0), u8.stride(1),
             kc.rot_hi, kc.rot_lo, kc.rot_bf16, klev0, kbnd0, klev1, kbnd1,
@@ -192,16 +191,16 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         )
 
     if centering is None:
-        store(0)
+        launch(0)
         return None
     if single_token_requests:
         _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, center_tags,
                             block_epochs, before_store=True)
-        store(3)
+        launch(3)
         return center_sums
-    store(1)
+    launch(1)
     _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, center_tags, block_epochs)
-    store(2)
+    launch(2)
     return center_sums
 
 

@@ -42,7 +42,6 @@ from ..kernels.paged_attention_jit import (
 )
 from .codec import permute_lookup_applies
 from .key_centering import KeyCentering
-from .launch import launch
 from .page_layout import (
     ATTENTION_HEAD_DIMS,
     PagedTQLayout,
@@ -267,7 +266,7 @@ class TQAttentionPlan:
         cfg = self.config
         grid = (qblocks, self.num_kv_heads, s)
         cargs, cconst = _centering_args(centering, center_sums, f16, fp16_tables=True)
-        self.last_compiled = launch(tq_paged_attention_kernel, grid,
+        self.last_compiled = tq_paged_attention_kernel[grid](
             q, q.stride(0), q.stride(1),
             u8, f16, u8.stride(0), u8.stride(1),
             self.block_table, self.block_table.stride(0), self.query_start_loc, self.seq_lens,
@@ -287,7 +286,7 @@ class TQAttentionPlan:
             **kt.constexprs("K", lay.key_is_fp8), **vt.constexprs("V"), **lay.kernel_constexprs(),
         )
         if s > 1:
-            launch(tq_merge_splits_kernel, (tq, self.num_q_heads),
+            tq_merge_splits_kernel[(tq, self.num_q_heads)](
                 part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0),
                 part_l.stride(1), out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), s,
                 S_PAD=triton.next_power_of_2(self.max_num_splits), D=d, D_PAD=kt.codec.dim_pad, WRITE_LSE=write_lse,
@@ -381,7 +380,7 @@ def tq_gather_dequant(cache: torch.Tensor, layout: PagedTQLayout, block_table: t
     v_perm = out_v.dtype == torch.bfloat16 and permute_lookup_applies(vc)
     grid = (num_reqs, triton.cdiv(max_seq_len, block_n), num_kv_heads)
     cargs, cconst = _centering_args(centering, center_sums, f16)
-    launch(tq_paged_gather_dequant_kernel, grid,
+    tq_paged_gather_dequant_kernel[grid](
         u8, f16, u8.stride(0), u8.stride(1), block_table, block_table.stride(0), seq_lens, cu_seq_lens,
         *_decode_operands(kt, k_perm), *_decode_operands(vt, v_perm),
         out_k, out_k.stride(0), out_k.stride(1), out_v, out_v.stride(0), out_v.stride(1),

@@ -19,7 +19,6 @@ import math
 import torch
 import triton
 
-from .launch import launch
 from .page_layout import PagedTQLayout, _ComponentTables
 from .rotation_tables import codec_tables, rotation_rows_in_order
 
@@ -166,7 +165,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     gqp = triton.next_power_of_2(plan.group)
     ql = plan.max_query_len
     if centering is not None:
-        launch(tq_center_queries_kernel, (plan.num_reqs, hkv, ql),
+        tq_center_queries_kernel[(plan.num_reqs, hkv, ql)](
             q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
             center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
             plan.softmax_scale / LN2, GQ=plan.group, GQP=gqp, D=d, D_PAD=d, ROT_HALF=centering.rot_half,
@@ -180,11 +179,11 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     vrot = _ordered_rotation(d, f.value.bits, f.value_seed, str(q.device), True)
     rows = tq * hq
     grid_rows = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
-    launch(tq_rotate_queries_kernel, grid_rows,
+    tq_rotate_queries_kernel[grid_rows](
         q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows,
         plan.softmax_scale * kt.codec.rot_scale / LN2,
         HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
-    plan.last_compiled = launch(tq_paged_decode_kernel, (plan.num_reqs, hkv, s),
+    plan.last_compiled = tq_paged_decode_kernel[(plan.num_reqs, hkv, s)](
         qrot, qrot.stride(0), qrot.stride(1),
         cache_u8, cache_f16, cache_u8.stride(0), cache_u8.stride(1),
         plan.block_table, plan.block_table.stride(0), plan.query_start_loc, plan.seq_lens,
@@ -198,7 +197,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
-    launch(tq_merge_unrotate_kernel, grid_rows,
+    tq_merge_unrotate_kernel[grid_rows](
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, s,
         vt.codec.rot_scale, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot,
