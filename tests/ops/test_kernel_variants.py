@@ -23,54 +23,22 @@ from pathlib import Path
 import pytest
 
 PROBE = r'''
-import json, os, re, subprocess, sys, tempfile
+import json, sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile as triton_compile, make_backend
-from triton.runtime import jit as tjit
+from tests.ops import sm90_probe
 
-TARGET = GPUTarget("cuda", 90, 32)
-BACKEND = make_backend(TARGET)
 MODE = sys.argv[1]
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def stack_bytes(cubin):
-    """Per-thread stack frame of a cubin's kernel (register spills), from Triton's bundled cuobjdump."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"STACK:(\d+)", res).group(1))
-
-
 seen = []
-binders = {}
 compiled = {}
 
 
-def probe_run(self, *args, grid, warmup, **kwargs):
-    kwargs["debug"] = False
-    kwargs["instrumentation_mode"] = ""
-    if self not in binders:
-        binders[self] = tjit.create_function_from_signature(self.signature, self.params, BACKEND)
-    bound_args, spec, options = binders[self](*args, **kwargs)
-    key = str(tjit.compute_cache_key({}, spec, options))
-    seen.append((self.fn.__name__, key))
-    if MODE == "compile" and key not in compiled:
-        options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, spec, options)
-        if getattr(self, "is_gluon", lambda: False)():
-            from triton.experimental.gluon._runtime import GluonASTSource
-            src = GluonASTSource(self, signature, constexprs, attrs)
-        else:
-            src = triton.compiler.ASTSource(self, signature, constexprs, attrs)
-        k = triton_compile(src, target=TARGET, options=options.__dict__)
-        compiled[key] = dict(kernel=self.fn.__name__, shared=k.metadata.shared, stack=stack_bytes(k.asm["cubin"]))
-    return None
+def on_launch(launch):
+    seen.append((launch.name, launch.key))
+    if MODE == "compile" and launch.key not in compiled:
+        compiled[launch.key] = launch.compile()
 
 
-tjit.JITFunction.run = probe_run
+sm90_probe.install(on_launch)
 
 from turboquant_core.ops import paged_decode
 from turboquant_core.ops.paged import TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store, warmup_kernels

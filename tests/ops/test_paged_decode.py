@@ -105,40 +105,18 @@ def test_decode_path_applies_only_where_it_serves():
 
 
 PROBE = r'''
-import os, subprocess, sys
-os.environ["TRITON_INTERPRET"] = "0"
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile as triton_compile, make_backend
-from triton.runtime import jit as tjit
-from triton.experimental.gluon._runtime import GluonASTSource
+import sys
+import torch
+from tests.ops import sm90_probe
 
-TARGET = GPUTarget("cuda", 90, 32)
-BACKEND = make_backend(TARGET)
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-binders = {}
 
-def probe_run(self, *args, grid, warmup, **kwargs):
-    kwargs["debug"] = False
-    kwargs["instrumentation_mode"] = ""
-    if self not in binders:
-        binders[self] = tjit.create_function_from_signature(self.signature, self.params, BACKEND)
-    bound_args, spec, options = binders[self](*args, **kwargs)
-    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, spec, options)
-    # What Triton's compile hooks do with every launch (vLLM installs one): the constexprs must be JSON.
-    tjit.serialize_specialization_data(self.fn.__name__, signature, constexprs, attrs, options, "key")
-    src_cls = GluonASTSource if getattr(self, "is_gluon", lambda: False)() else triton.compiler.ASTSource
-    k = triton_compile(src_cls(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    import re
-    print(self.fn.__name__, re.search(r"STACK:(\d+)", res).group(1), k.metadata.shared, flush=True)
-    return None
+def on_launch(launch):
+    res = launch.compile()
+    print(res["kernel"], res["stack"], res["shared"], flush=True)
 
-tjit.JITFunction.run = probe_run
+
+sm90_probe.install(on_launch)
+
 from turboquant_core.ops import paged_decode
 from turboquant_core.ops.page_layout import _cache_views, allocate_kv_cache, paged_layout
 from turboquant_core.ops.paged_attention import TQAttentionPlan

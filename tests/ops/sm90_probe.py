@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kernel launches seen and compiled for an sm_90 target on a machine without a GPU.
+
+``install(on_launch)`` replaces ``JITFunction.run`` so that a launch neither compiles nor runs: it is bound with
+Triton's own binder for the target and handed to ``on_launch`` as a ``ProbedLaunch`` (its cache key, and
+``compile()`` to a cubin with Triton's bundled ptxas, reporting the kernel's spill stack and shared memory). Every
+launch's constexprs are serialized the way Triton's compile hooks serialize them (vLLM installs one), so a
+constexpr that is not JSON fails here. For the subprocess probes of test_paged_decode.py and test_kernel_variants.py
+(Triton must not be interpreted there).
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile as triton_compile
+from triton.compiler import make_backend
+from triton.runtime import jit as tjit
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+_binders = {}
+
+
+def stack_bytes(cubin: bytes) -> int:
+    """Per-thread stack frame of a cubin's kernel (register spills), from Triton's bundled cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", res).group(1))
+
+
+class ProbedLaunch:
+    """One launch, bound for the sm_90 target: ``name``, ``key`` (Triton's compile-cache key) and ``compile()``."""
+
+    def __init__(self, fn, args, kwargs):
+        kwargs = dict(kwargs, debug=False, instrumentation_mode="")
+        if fn not in _binders:
+            _binders[fn] = tjit.create_function_from_signature(fn.signature, fn.params, BACKEND)
+        bound_args, spec, options = _binders[fn](*args, **kwargs)
+        self.fn, self.name = fn, fn.fn.__name__
+        self.key = str(tjit.compute_cache_key({}, spec, options))
+        self._packed = fn._pack_args(BACKEND, kwargs, bound_args, spec, options)
+        options, signature, constexprs, attrs = self._packed
+        tjit.serialize_specialization_data(self.name, signature, constexprs, attrs, options, "key")
+
+    def compile(self) -> dict:
+        """Compile to a cubin for sm_90: {kernel, stack (spill bytes per thread), shared (bytes)}."""
+        options, signature, constexprs, attrs = self._packed
+        if getattr(self.fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            src = GluonASTSource(self.fn, signature, constexprs, attrs)
+        else:
+            src = triton.compiler.ASTSource(self.fn, signature, constexprs, attrs)
+        k = triton_compile(src, target=TARGET, options=options.__dict__)
+        return dict(kernel=self.name, stack=stack_bytes(k.asm["cubin"]), shared=k.metadata.shared)
+
+
+def install(on_launch) -> None:
+    """Every later launch is handed to ``on_launch(ProbedLaunch)`` instead of compiling and running."""
+
+    def probe_run(self, *args, grid, warmup, **kwargs):
+        on_launch(ProbedLaunch(self, args, kwargs))
+        return None
+
+    tjit.JITFunction.run = probe_run
