@@ -168,15 +168,21 @@ def test_decode_kernels_compile_for_sm90_without_spills_or_shared_memory(fmt, d,
 @pytest.mark.parametrize("splits", [1, 3, None])
 def test_register_tile_decode_matches_reference_and_triton(name, d, group, splits):
     # Contexts of 1, a partial tile, a partial page past whole tiles, and several tiles.
-    lay, cache, bt, qsl, sl, q = _paged_batch(name, d, 2, group, [1, 37, 64, 213], [1, 1, 1, 1], "cuda", seed=3)
-    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
-    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=1, max_seq_len=213, num_splits=splits)
+    _check_register_tile(*_paged_batch(name, d, 2, group, [1, 37, 64, 213], [1, 1, 1, 1], "cuda", seed=3),
+                         max_query_len=1, splits=splits)
+
+
+def _check_register_tile(lay, cache, bt, qsl, sl, q, *, max_query_len, splits):
+    """The register-tile kernel serves the batch and matches the float64 reference, and the Triton kernel."""
+    plan = TQAttentionPlan(lay, q.shape[1], cache.shape[1], "cuda")
+    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=max_query_len, max_seq_len=int(sl.max()),
+              num_splits=splits)
     assert plan.decode_splits > 0
     out, lse = plan.run(q, cache, return_lse=True)
     ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     _check(out, lse, ref_out, ref_lse)
     plan.decode_splits = 0
-    tri_out, tri_lse = plan.run(q, cache, return_lse=True)
+    tri_out, _ = plan.run(q, cache, return_lse=True)
     torch.testing.assert_close(out.float(), tri_out.float(), atol=2e-2, rtol=1e-2)
 
 
@@ -189,16 +195,8 @@ def test_register_tile_verification_matches_reference_and_triton(name, d, group,
     per (query token, head)), contexts from as short as the queries to several tiles, splits that end inside
     the queries' own tokens."""
     q_lens = [ql, 1, ql - 1, ql, 2]
-    lay, cache, bt, qsl, sl, q = _paged_batch(name, d, 2, group, [ql, 37, 64, 213, 17], q_lens, "cuda", seed=4)
-    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
-    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=ql, max_seq_len=213, num_splits=splits)
-    assert plan.decode_splits > 0
-    out, lse = plan.run(q, cache, return_lse=True)
-    ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
-    _check(out, lse, ref_out, ref_lse)
-    plan.decode_splits = 0
-    tri_out, _ = plan.run(q, cache, return_lse=True)
-    torch.testing.assert_close(out.float(), tri_out.float(), atol=2e-2, rtol=1e-2)
+    _check_register_tile(*_paged_batch(name, d, 2, group, [ql, 37, 64, 213, 17], q_lens, "cuda", seed=4),
+                         max_query_len=ql, splits=splits)
 
 
 def test_decode_path_serves_verification_up_to_16_columns(monkeypatch):
@@ -236,35 +234,22 @@ def test_decode_output_barely_depends_on_the_split_count(name):
 
 
 @pytest.mark.gpu
-def test_register_tile_verification_in_a_cuda_graph():
-    """A uniform verification batch (4 queries per request), captured once and replayed after the batch's
-    metadata changed in place (as vLLM's full CUDA graphs do)."""
-    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [9, 300, 60], [4, 4, 4], "cuda")
+@pytest.mark.parametrize("ctx,q_lens,later", [([5, 300], [1, 1], None), ([9, 300, 60], [4, 4, 4], [7, 299, 58])],
+                         ids=["decode", "verification"])
+def test_register_tile_in_a_cuda_graph(ctx, q_lens, later):
+    """A decode batch and a uniform verification batch (4 queries per request), each captured once and replayed;
+    the verification batch after its lengths changed in place (as vLLM's full CUDA graphs replay)."""
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, ctx, q_lens, "cuda")
     plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
-    plan.plan(bt, qsl, sl, num_tokens=12, max_query_len=4, max_seq_len=4096)
+    plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=max(q_lens), max_seq_len=4096)
     out = torch.empty_like(q)
     plan.run(q, cache, out=out)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         plan.run(q, cache, out=out)
-    sl.copy_(torch.tensor([7, 299, 58], dtype=torch.int32))
+    if later is not None:
+        sl.copy_(torch.tensor(later, dtype=torch.int32))
     out.zero_()
     g.replay()
     ref_out, _ = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=1e-2)
-
-
-@pytest.mark.gpu
-def test_register_tile_decode_in_a_cuda_graph():
-    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [5, 300], [1, 1], "cuda")
-    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
-    plan.plan(bt, qsl, sl, num_tokens=2, max_query_len=1, max_seq_len=4096)
-    out = torch.empty_like(q)
-    plan.run(q, cache, out=out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        plan.run(q, cache, out=out)
-    out.zero_()
-    g.replay()
-    ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=1e-2)

@@ -116,6 +116,27 @@ def fill_and_run(impl, layer, builder, batch, cache, *, cudagraph=False):
     return out
 
 
+def store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache):
+    """Store the batch's context in one step and its tokens in the next, each under its own metadata (the forward
+    context's, patched in, as key centering reads it); returns the second step's metadata."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    ctx_lens = torch.tensor([c for c, _ in batch.requests], dtype=torch.int32)
+    ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
+    cam_ctx = CommonAttentionMetadata(
+        query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
+        num_reqs=len(batch.requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
+        max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
+        slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens)
+    md_ctx = builder.build(0, cam_ctx)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
+    impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
+    md = builder.build(0, batch.cam)
+    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
+    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
+    return md
+
+
 def reference(batch, cache, layout, scale, window, centering=None, center_sums=None, decode_threshold=1):
     """float64 attention: decode rows (query length <= decode_threshold) over the dequantized cache, prefill
     rows over the dequantized context plus their fresh bf16 K/V."""
@@ -189,8 +210,6 @@ def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size, decode
     forward context's, patched in); keys carry a shared component that the centres remove. A decode-only
     batch takes the store's single-token path (sums first, then one pass), including a request whose first
     page fills in this step."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     fmt, d = "turboquant_k3v4_nc", 128
     gen = torch.Generator().manual_seed(5)
     kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=block_size)
@@ -206,20 +225,8 @@ def test_mixed_batch_with_key_centering(tq_attn, monkeypatch, block_size, decode
     nb = batch.block_table.max().item() + 1
     cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(max(nb, 64), block_size, 4, d, fmt),
                         dtype=torch.uint8, device=DEVICE)
-    ctx_lens = torch.tensor([c for c, _ in requests], dtype=torch.int32)
-    ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
-    cam_ctx = CommonAttentionMetadata(
-        query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
-        num_reqs=len(requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
-        max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
-        slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens)
-    md_ctx = builder.build(0, cam_ctx)
-    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
-    impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
-    md = builder.build(0, batch.cam)
+    md = store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache)
     assert (md.num_prefills == 0) == decode_only
-    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
-    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
     out = torch.full_like(batch.q, float("nan"))
     impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
     layout = paged_layout(fmt, d, block_size)
@@ -240,8 +247,6 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     take the decode plan (4 queries per request), read their own tokens back from the cache and attend causally
     among themselves; a longer chunk stays prefill. Then a uniform verification batch (what vLLM's full CUDA
     graphs replay) captured from build_for_cudagraph_capture gives what eager gives."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     fmt, d, bs = "turboquant_k3v4_nc", 128, 16
     gen = torch.Generator().manual_seed(6)
     kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=bs)
@@ -256,20 +261,8 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     batch.k_ctx += 4.0
     cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(256, bs, 4, d, fmt), dtype=torch.uint8,
                         device=DEVICE)
-    ctx_lens = torch.tensor([c for c, _ in requests], dtype=torch.int32)
-    ctx_qsl = torch.cat([torch.zeros(1, dtype=torch.int32), ctx_lens.cumsum(0).to(torch.int32)])
-    cam_ctx = CommonAttentionMetadata(
-        query_start_loc=ctx_qsl.to(DEVICE), query_start_loc_cpu=ctx_qsl, seq_lens=ctx_lens.to(DEVICE),
-        num_reqs=len(requests), num_actual_tokens=int(ctx_qsl[-1]), max_query_len=int(ctx_lens.max()),
-        max_seq_len=int(ctx_lens.max()), block_table_tensor=batch.block_table.to(DEVICE),
-        slot_mapping=batch.context_slots, seq_lens_cpu_upper_bound=ctx_lens)
-    md_ctx = builder.build(0, cam_ctx)
-    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md_ctx)
-    impl.do_kv_cache_update(layer, batch.k_ctx, batch.v_ctx, cache, batch.context_slots)
-    md = builder.build(0, batch.cam)
+    md = store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache)
     assert (md.num_decodes, md.num_decode_tokens, md.decode_query_len, md.num_prefills) == (4, 12, 4, 1)
-    monkeypatch.setattr(tq_attn, "_layer_metadata", lambda _layer: md)
-    impl.do_kv_cache_update(layer, batch.k, batch.v, cache, batch.step_slots)
     out = torch.full_like(batch.q, float("nan"))
     impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
     layout = paged_layout(fmt, d, bs)
