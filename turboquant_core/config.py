@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Serving options of a TurboQuant KV cache: one frozen object, carried in vLLM's ``CacheConfig.turboquant`` and set
 from the command line (``vllm serve ... --tq-key-centering / --tq-key-smoothing / --tq-boundary-layers /
---tq-attention-workspace-mb``). The vLLM glue reads it at construction; nothing reads the environment.
+--tq-attention-workspace-mb / --tq-prefill-from-cache``). The vLLM glue reads it at construction; nothing reads the
+environment.
 
 The ``TQ_*`` environment variables of earlier releases are read once, when the engine's configuration is made, with a
 deprecation warning naming the option that replaces each; an explicitly set option wins over them.
@@ -28,12 +29,17 @@ class TQConfig:
     boundary_layers: keep the first and last N layers' KV cache unquantized (stock vLLM's TurboQuant keeps 2).
     attention_workspace_mb: split-KV scratch of the decode attention per KV-cache group, in MiB; the kernels cap their
         split count to what fits.
+    prefill_from_cache: prefill chunks attend to their own tokens as stored (read back from the compressed pages, as
+        decode does) instead of in bf16. A request's keys and values then do not depend on how its prompt was
+        chunked or served from the prefix cache, so temperature-0 answers repeat under load; prompts are processed
+        at the strict regime's quality (``tq eval-ppl``), lower than the default's at 3-bit keys.
     """
 
     key_centering: bool = True
     key_smoothing: str = "auto"
     boundary_layers: int = 0
     attention_workspace_mb: int = 32
+    prefill_from_cache: bool = False
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -47,6 +53,8 @@ class TQConfig:
         if not isinstance(self.attention_workspace_mb, int) or isinstance(self.attention_workspace_mb, bool) \
                 or self.attention_workspace_mb < 1:
             raise ValueError(f"attention_workspace_mb must be an integer >= 1, got {self.attention_workspace_mb!r}")
+        if not isinstance(self.prefill_from_cache, bool):
+            raise ValueError(f"prefill_from_cache must be true or false, got {self.prefill_from_cache!r}")
 
     def uuid(self) -> str:
         """Stable identity (vLLM's config hashing accepts objects that provide one)."""
@@ -54,7 +62,8 @@ class TQConfig:
 
     def describe(self) -> str:
         return (f"key centering {'on' if self.key_centering else 'off'}, key smoothing {self.key_smoothing}, "
-                f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB")
+                f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB, "
+                f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}")
 
     @classmethod
     def from_vllm(cls, vllm_config) -> TQConfig:

@@ -62,8 +62,11 @@ if "center" in sys.argv[7:]:
                 block_epochs=new_block_epochs(64, "cpu"))
 # "spec": speculative decoding with 3 draft tokens, verification planned as decode of 4 queries per request
 QL = 4 if "spec" in sys.argv[7:] else 1
+# "prefill": TQConfig.prefill_from_cache, chunks attend to their own stored tokens (causal over the sequence)
+PREFILL = "prefill" in sys.argv[7:]
 warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent,
-               decode_query_lens=(1, QL) if QL > 1 else (1,))
+               decode_query_lens=(1, QL) if QL > 1 else (1,),
+               paths=("decode", "context", "prefill") if PREFILL else ("decode", "context"))
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -129,6 +132,22 @@ for first in (0, 1, 3, 8):
                 out = torch.empty(q.shape, dtype=q.dtype)
                 plan.run(q, cache, out=out, return_lse=True, **cen,
                          **({"center_sums": sums[first:]} if cen else {}))
+if PREFILL:  # the builder plans such chunks with max_query_len >= PREFILL_MIN_QUERY_LEN
+    from turboquant_core.ops.paged_attention import PREFILL_MIN_QUERY_LEN
+    for first in (0, 3):
+        for ctx_len in (0, 24, 4096):
+            for ntok in list(range(1, 131)) + [257, 512]:
+                for reqs in (1, 3):
+                    if ntok < reqs:
+                        continue
+                    qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
+                    longest = int((qsl[1:] - qsl[:-1]).max())
+                    full = torch.full((reqs,), ctx_len + longest, dtype=torch.int32)
+                    plan.plan(table[first : first + reqs], qsl, full, num_tokens=ntok,
+                              max_query_len=max(longest, PREFILL_MIN_QUERY_LEN), max_seq_len=ctx_len + longest,
+                              causal=True, sliding_window=window)
+                    plan.run(query[first : first + ntok], cache, out=torch.empty(ntok, hq, d, dtype=torch.bfloat16),
+                             **cen, **({"center_sums": sums[first:]} if cen else {}))
 serve = set(seen)
 print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
                       unused=sorted(map(list, warm - serve)), kernels=sorted({k for k, _ in serve}))))
@@ -205,8 +224,19 @@ def test_warmup_covers_speculative_verification(case, center):
 
 
 @pytest.mark.slow
-def test_verification_warmup_variants_compile_for_sm90():
-    _check_compiled(_probe("compile", CASES[0], "center", "spec"))
+@pytest.mark.parametrize("case,center", [(CASES[0], True), (CASES[1], False), (CASES[2], False)],
+                         ids=["k3v4-centred", "4bit", "k8v4-window"])
+def test_warmup_covers_prefill_from_cache(case, center):
+    """With TQConfig.prefill_from_cache, prefill chunks of every length (after short and long cached contexts, in
+    tables that start at any row) run only variants the warm-up compiled."""
+    extra = ("prefill", "center") if center else ("prefill",)
+    kernels = SERVING_KERNELS | (DECODE_KERNELS if case[0] in REGISTER_TILE_CASES else set())
+    _check_coverage(_probe("keys", case, *extra), kernels)
+
+
+@pytest.mark.slow
+def test_verification_and_prefill_from_cache_variants_compile_for_sm90():
+    _check_compiled(_probe("compile", CASES[0], "center", "spec", "prefill"))
 
 
 @pytest.mark.slow

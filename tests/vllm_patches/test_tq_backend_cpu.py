@@ -156,3 +156,55 @@ def test_warmup_keeps_sums_for_the_centred_layers_of_every_builder(cpu_backend):
     assert num_layers == 1 and list(a.layers) == [LAYERS[0]] and a.block_epochs is b.block_epochs
     assert a.sums.data_ptr() != b.sums.data_ptr() and a.sums.shape == (1, 6, HKV, 2, D)
     assert nbytes == 2 * a.nbytes() + NUM_BLOCKS * 4
+
+
+def test_prefill_from_cache_gives_each_token_the_same_attention_however_the_prompt_is_chunked(cpu_backend,
+                                                                                               monkeypatch):
+    """TQConfig.prefill_from_cache: prefill chunks attend to their own tokens as stored (no FlashAttention pass, so
+    the path runs here). A 40-token prompt prefilled in one chunk and in chunks of 25 and 15 gives its last 15
+    tokens the same outputs, and both match the reference over the dequantized cache; a decode row in the same
+    step takes the decode plan as before."""
+    from turboquant_core.config import TQConfig
+    from turboquant_core.ops.paged import center_sums_ref, paged_layout, tq_paged_attention_ref
+
+    def run(chunks):
+        layers, builder, caches = _group(cpu_backend)
+        assert not builder.tq_config.prefill_from_cache
+        builder.tq_config = TQConfig(prefill_from_cache=True)
+        name = LAYERS[0]
+        impl, layer, cache = layers[name].impl, layers[name], caches[name]
+        g = torch.Generator().manual_seed(3)
+        table = (torch.arange(2 * 4, dtype=torch.int32) + 1).view(2, 4)
+        keys = torch.randn(40, HKV, D, generator=g) + 2.0
+        queries = torch.randn(40, HQ, D, generator=g).to(torch.bfloat16)
+        other = torch.randn(21, HKV, D, generator=g)  # request 1: 20 tokens stored, then one decode token
+        slot = lambda r, p: int(table[r, p // BS]) * BS + p % BS  # noqa: E731
+        md = builder.build(0, _metadata([20], [20], table[1:], torch.tensor([slot(1, p) for p in range(20)])))
+        monkeypatch.setattr(cpu_backend, "_layer_metadata", lambda _layer: md)
+        impl.do_kv_cache_update(layer, other[:20].to(torch.bfloat16), other[:20].to(torch.bfloat16), cache,
+                                torch.tensor([slot(1, p) for p in range(20)]))
+        done, out = 0, None
+        for n in chunks:
+            # the decode row first (the builder's order), then the prompt's chunk
+            sl = torch.tensor([slot(1, 20)] + [slot(0, p) for p in range(done, done + n)])
+            md = builder.build(0, _metadata([1, n], [21, done + n], table[[1, 0]], sl))
+            assert md.prefill_from_cache and md.num_decodes == 1 and md.num_prefills == 1
+            monkeypatch.setattr(cpu_backend, "_layer_metadata", lambda _layer, md=md: md)
+            k = torch.cat([other[20:], keys[done:done + n]]).to(torch.bfloat16)
+            impl.do_kv_cache_update(layer, k, k, cache, sl)
+            q = torch.cat([queries[:1], queries[done:done + n]])
+            out = torch.zeros_like(q)
+            impl.forward(layer, q, k, k, cache, md, output=out)
+            done += n
+        lay = paged_layout(FMT, D, BS)
+        bt, sl_all = table[:1], torch.tensor([40], dtype=torch.int32)
+        qsl = torch.tensor([0, chunks[-1]], dtype=torch.int32)
+        sums = center_sums_ref(cache, lay, impl.key_centering, bt, sl_all)
+        ref, _ = tq_paged_attention_ref(queries[40 - chunks[-1]:], cache, lay, bt, qsl, sl_all,
+                                        centering=impl.key_centering, center_sums=sums)
+        torch.testing.assert_close(out[1:].float(), ref.float(), atol=2e-2, rtol=1e-2)
+        return out[1:]
+
+    whole = run([40])[25:]
+    chunked = run([25, 15])
+    torch.testing.assert_close(whole.float(), chunked.float(), atol=2e-3, rtol=2e-3)

@@ -302,6 +302,37 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     _check(out_g, reference(ubatch, cache, layout, 0.07, None, decode_threshold=4, **cen), "uniform verification")
 
 
+@pytest.mark.parametrize("centred", [False, True], ids=["plain", "centred"])
+def test_prefill_from_cache_attends_every_row_over_the_stored_tokens(tq_attn, monkeypatch, centred):
+    """TQConfig.prefill_from_cache: prefill rows (a first chunk, later chunks, a prefix hit's tail) attend to their
+    own tokens as stored, like decode rows: every row matches the reference over the dequantized cache alone."""
+    from turboquant_core.config import TQConfig
+
+    fmt, d, bs = "turboquant_k3v4_nc", 128, 16
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=bs)
+    impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, **kw)
+    builder.tq_config = TQConfig(prefill_from_cache=True)
+    if centred:
+        theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        impl.key_centering = key_centering_tables(theta, d, bs, 4096, device=DEVICE)
+    requests = [(55, 1), (130, 1), (0, 37), (100, 29), (211, 5), (0, 300)]
+    batch = Batch(requests, num_blocks=256, gen=gen, **kw)
+    batch.k_ctx += 4.0
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(256, bs, 4, d, fmt), dtype=torch.uint8,
+                        device=DEVICE)
+    md = store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache)
+    assert md.prefill_from_cache and (md.num_decodes, md.num_prefills) == (2, 4)
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
+    layout = paged_layout(fmt, d, bs)
+    cen = {}
+    if centred:
+        sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
+        cen = dict(centering=impl.key_centering, center_sums=sums)
+    _check(out, reference(batch, cache, layout, 0.07, None, decode_threshold=1 << 30, **cen), "prefill from cache")
+
+
 def test_prefill_without_context_writes_output_directly(tq_attn):
     fmt, d = "turboquant_4bit_nc", 128
     gen = torch.Generator().manual_seed(3)

@@ -9,7 +9,7 @@ import torch
 from .key_centering import KeyCentering
 from .kv_store import new_block_epochs, new_center_sums, new_center_tags, tq_store
 from .page_layout import PagedTQLayout
-from .paged_attention import TQAttentionConfig, TQAttentionPlan
+from .paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionConfig, TQAttentionPlan
 
 
 def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
@@ -22,14 +22,15 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
 
     Variants follow from ``TQAttentionPlan.plan``: the store; for "decode" (causal, no lse; the queries per
     request of ``decode_query_lens``: 1, and 1 + the draft tokens where speculative verification runs as
-    decode) split and unsplit; for "context" (queries after cached context, with lse: chunked
-    prefill, prefix hits) every (query block size, one-block) shape the query length can select,
-    split and unsplit; the split merge with and without lse. Batch sizes and sequence lengths are
-    run-time arguments, so these cover every batch. Writes one block (``block_id``; vLLM's block 0 is
-    its never-read null block) of ``cache`` and reads only it: call before serving. With ``centering``
-    the centred variants (the store's two passes and its single pass for single-token batches, both sums
-    launches, centred attention) are compiled instead, with the sums kept across steps (tags and block
-    epochs, as a serving engine keeps them per layer)."""
+    decode) split and unsplit; for "context" (queries after cached context, with lse: chunked prefill, prefix
+    hits) every (query block size, one-block) shape the query length can select, split and unsplit; for
+    "prefill" (chunks that attend to their own stored tokens too, ``TQConfig.prefill_from_cache``: causal over
+    the whole sequence, queries planned as at least ``PREFILL_MIN_QUERY_LEN``, no lse) likewise; the split
+    merge with and without lse. Batch sizes and sequence lengths are run-time arguments, so these cover every
+    batch. Writes one block (``block_id``; vLLM's block 0 is its never-read null block) of ``cache`` and reads
+    only it: call before serving. With ``centering`` the centred variants (the store's two passes and its
+    single pass for single-token batches, both sums launches, centred attention) are compiled instead, with
+    the sums kept across steps (tags and block epochs, as a serving engine keeps them per layer)."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
     if any(n < 1 or n > bs for n in decode_query_lens):
@@ -64,15 +65,23 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
             plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
                       causal=False)
             shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
+    prefill_shapes: dict[tuple[int, bool], int] = {}
+    if "prefill" in paths:
+        scan_qsl = seq_lens.new_tensor([0, 1])
+        for qlen in range(PREFILL_MIN_QUERY_LEN, 2 * 128 + 2):
+            plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
+                      causal=True)
+            prefill_shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
     runs = [("decode", qlen, True) for qlen in decode_query_lens] if "decode" in paths else []
     runs += [("context", qlen, False) for qlen in sorted(shapes.values())]
+    runs += [("prefill", qlen, True) for qlen in sorted(prefill_shapes.values())]
     for path, qlen, causal in runs:
         q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
         for splits in (1, 2):
             plan.plan(block_table, seq_lens.new_tensor([0, qlen]), seq_lens, num_tokens=qlen, max_query_len=qlen,
                       max_seq_len=bs, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
                       num_splits=splits)
-            plan.run(q, cache, return_lse=not causal, centering=centering, center_sums=sums)
+            plan.run(q, cache, return_lse=path == "context", centering=centering, center_sums=sums)
             launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
                                  num_splits=plan.num_splits))
     return launches

@@ -53,6 +53,7 @@ from .page_layout import (
     _layout_tables,
 )
 from .paged_decode import (
+    DECODE_MAX_COLUMNS,
     LN2,
     codebook_permute_words,
     decode_path_applies,
@@ -87,6 +88,10 @@ def _interpreting() -> bool:
 
 
 MIN_TOKENS_PER_SPLIT = 256
+# Query length a prefill chunk that attends to its own stored tokens is planned with at least (``causal=True``):
+# past the register-tile kernel's 16 columns, so such chunks take the Triton kernel's few query-block shapes
+# (``kernel_warmup``) and never a register-tile variant per chunk length.
+PREFILL_MIN_QUERY_LEN = DECODE_MAX_COLUMNS + 1
 DEFAULT_WORKSPACE_BYTES = 64 << 20
 
 

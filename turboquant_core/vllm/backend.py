@@ -10,11 +10,13 @@ in ``turboquant_core.ops``.
 One step:
 - ``do_kv_cache_update`` (before ``forward``): ``tq_store`` rotates, quantizes and packs the step's K/V into their
   pages.
-- decode requests (query length 1, first in the batch after reordering): paged attention over the compressed pages,
-  the token stored just before included.
+- decode requests (query length 1, or up to 1 + the draft tokens when speculative verification runs as decode; first
+  in the batch after reordering): paged attention over the compressed pages, the tokens stored just before included.
 - prefill requests: the fresh tokens attend to each other in bf16 with FlashAttention (causal, sliding window);
   requests with cached context (a later chunk of a chunked prefill, a prefix-cache hit) also attend to that context
-  ``[0, context_len)`` through the compressed kernel, and both parts are merged by their log-sum-exp.
+  ``[0, context_len)`` through the compressed kernel, and both parts are merged by their log-sum-exp. With
+  ``--tq-prefill-from-cache`` they attend to their own tokens as stored too, like decode (one causal pass of the
+  compressed kernel), so chunking and prefix-cache hits do not change a request's keys and values.
 
 Options (``turboquant_core.config.TQConfig``, from vLLM's ``CacheConfig.turboquant``) reach the builder and the impl
 at construction. Key centering (``.centering``, attached at start-up; ``--tq-key-centering``, on by default): a
@@ -64,7 +66,7 @@ from ..ops.page_layout import (
     kv_cache_shape,
     paged_layout,
 )
-from ..ops.paged_attention import TQAttentionPlan
+from ..ops.paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionPlan
 
 if is_flash_attn_varlen_func_available():
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -209,6 +211,9 @@ class TQAttentionMetadata(AttentionMetadata):
     max_prefill_query_len: int = 0
     # Whether some prefill request has cached context to attend to.
     prefill_has_context: bool = False
+    # Prefill chunks attend to their own tokens as stored (TQConfig.prefill_from_cache):
+    # the context plan covers whole sequences, causal; no FlashAttention pass.
+    prefill_from_cache: bool = False
     # Whole-batch metadata for key centering (token positions, first pages) and the
     # per-(request, KV head) sums its store writes and attention reads: a layer's own
     # rows kept across steps, or (a layer without them) scratch recomputed each step.
@@ -355,6 +360,9 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             self.layout.fmt, self.layout.head_dim, kv_cache.shape[-1] // per_token
         )
         launches = 0
+        paths = ("decode", "context")
+        if self.tq_config.prefill_from_cache:
+            paths += ("prefill",)
         threshold = self.reorder_batch_threshold or 1
         decode_query_lens = (1, threshold) if threshold > 1 else (1,)
         for num_heads, window, scale in self.plans:
@@ -369,6 +377,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                     softmax_scale=scale,
                     centering=centering,
                     decode_query_lens=decode_query_lens,
+                    paths=paths,
                 )
             )
         return launches
@@ -443,6 +452,30 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         metadata.prefill_query_start_loc = (
             cam.query_start_loc[first : end + 1] - num_decode_tokens
         )
+        if self.tq_config.prefill_from_cache:
+            # The store ran before attention: each chunk's queries are the last tokens
+            # of its stored sequence, as for decode.
+            metadata.prefill_from_cache = True
+            max_seq_len = (
+                int(cam.seq_lens_cpu_upper_bound[first:end].max())
+                if cam.seq_lens_cpu_upper_bound is not None
+                else cam.max_seq_len
+            )
+            for (_, window, scale), plans in self.plans.items():
+                plans.context.plan(
+                    cam.block_table_tensor[first:end],
+                    metadata.prefill_query_start_loc,
+                    cam.seq_lens[first:end],
+                    num_tokens=metadata.num_prefill_tokens,
+                    max_query_len=max(
+                        metadata.max_prefill_query_len, PREFILL_MIN_QUERY_LEN
+                    ),
+                    max_seq_len=max_seq_len,
+                    causal=True,
+                    sliding_window=window,
+                    softmax_scale=scale,
+                )
+            return metadata
         # Context = tokens computed before this step. The CPU upper bound of
         # seq_lens is exact for prefill rows; without it, assume context.
         if cam.seq_lens_cpu_upper_bound is not None:
@@ -667,6 +700,15 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         end = start + md.num_prefill_tokens
         q, k, v = query[start:end], key[start:end], value[start:end]
         out = output[start:end]
+        first = md.num_decodes
+        if md.prefill_from_cache:
+            plans.context.run(
+                q,
+                kv_cache,
+                out=out,
+                **self._centering_args(md, layer, first, first + md.num_prefills),
+            )
+            return
         cu_seqlens = md.prefill_query_start_loc
         max_len = md.max_prefill_query_len
         has_context = md.prefill_has_context
@@ -697,7 +739,6 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         # Cached context [0, context_len) from the compressed pages; requests
         # without context give lse = -inf and drop out of the merge.
         context_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        first = md.num_decodes
         _, context_lse = plans.context.run(
             q,
             kv_cache,
