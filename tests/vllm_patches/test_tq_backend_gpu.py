@@ -137,6 +137,20 @@ def store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache)
     return md
 
 
+def attach_centering(impl, head_size, block_size):
+    """Key centering on the impl, with a plain RoPE's tables (theta 10000)."""
+    theta = 10000.0 ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    impl.key_centering = key_centering_tables(theta, head_size, block_size, 4096, device=DEVICE)
+
+
+def centering_reference_args(impl, cache, layout, batch) -> dict:
+    """The reference's centering arguments for the batch's requests (none when the impl is not centred)."""
+    if impl.key_centering is None:
+        return {}
+    sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
+    return dict(centering=impl.key_centering, center_sums=sums)
+
+
 def reference(batch, cache, layout, scale, window, centering=None, center_sums=None, decode_threshold=1):
     """float64 attention: decode rows (query length <= decode_threshold) over the dequantized cache, prefill
     rows over the dequantized context plus their fresh bf16 K/V."""
@@ -253,8 +267,7 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, num_speculative_tokens=3, **kw)
     assert builder.reorder_batch_threshold == 4
     if centred:
-        theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        impl.key_centering = key_centering_tables(theta, d, bs, 4096, device=DEVICE)
+        attach_centering(impl, d, bs)
     # verification rows (4, 1, 3 queries; one whose first page fills in this step), then a prefill chunk
     requests = [(55, 4), (130, 1), (13, 3), (300, 4), (100, 29)]
     batch = Batch(requests, num_blocks=256, gen=gen, **kw)
@@ -266,10 +279,7 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     out = torch.full_like(batch.q, float("nan"))
     impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
     layout = paged_layout(fmt, d, bs)
-    cen = {}
-    if centred:
-        sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
-        cen = dict(centering=impl.key_centering, center_sums=sums)
+    cen = centering_reference_args(impl, cache, layout, batch)
     _check(out, reference(batch, cache, layout, 0.07, None, decode_threshold=4, **cen), "verification")
 
     # A uniform verification batch (the decodes above, each with 4 queries), captured and replayed.
@@ -296,9 +306,7 @@ def test_speculative_verification_runs_as_decode(tq_attn, monkeypatch, centred):
     eager = torch.zeros_like(out_g)
     impl.forward(layer, ubatch.q, ubatch.k, ubatch.v, cache, md_e, output=eager)
     torch.testing.assert_close(out_g, eager, atol=2e-3, rtol=2e-3)
-    if centred:
-        sums = center_sums_ref(cache, layout, impl.key_centering, ubatch.block_table.to(DEVICE), ubatch.cam.seq_lens)
-        cen = dict(centering=impl.key_centering, center_sums=sums)
+    cen = centering_reference_args(impl, cache, layout, ubatch)
     _check(out_g, reference(ubatch, cache, layout, 0.07, None, decode_threshold=4, **cen), "uniform verification")
 
 
@@ -314,8 +322,7 @@ def test_prefill_from_cache_attends_every_row_over_the_stored_tokens(tq_attn, mo
     impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, **kw)
     builder.tq_config = TQConfig(prefill_from_cache=True)
     if centred:
-        theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        impl.key_centering = key_centering_tables(theta, d, bs, 4096, device=DEVICE)
+        attach_centering(impl, d, bs)
     requests = [(55, 1), (130, 1), (0, 37), (100, 29), (211, 5), (0, 300)]
     batch = Batch(requests, num_blocks=256, gen=gen, **kw)
     batch.k_ctx += 4.0
@@ -326,10 +333,7 @@ def test_prefill_from_cache_attends_every_row_over_the_stored_tokens(tq_attn, mo
     out = torch.full_like(batch.q, float("nan"))
     impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
     layout = paged_layout(fmt, d, bs)
-    cen = {}
-    if centred:
-        sums = center_sums_ref(cache, layout, impl.key_centering, batch.block_table.to(DEVICE), batch.cam.seq_lens)
-        cen = dict(centering=impl.key_centering, center_sums=sums)
+    cen = centering_reference_args(impl, cache, layout, batch)
     _check(out, reference(batch, cache, layout, 0.07, None, decode_threshold=1 << 30, **cen), "prefill from cache")
 
 
