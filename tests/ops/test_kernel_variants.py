@@ -62,11 +62,12 @@ if "center" in sys.argv[7:]:
                 block_epochs=new_block_epochs(64, "cpu"))
 # "spec": speculative decoding with 3 draft tokens, verification planned as decode of 4 queries per request
 QL = 4 if "spec" in sys.argv[7:] else 1
-# "prefill": TQConfig.prefill_from_cache, chunks attend to their own stored tokens (causal over the sequence)
+# "prefill": TQConfig.prefill_from_cache, chunks attend to their own stored tokens (causal over the sequence) and
+# never take the context path; the builder's warm-up then compiles the prefill variants instead of the context ones
 PREFILL = "prefill" in sys.argv[7:]
 warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent,
                decode_query_lens=(1, QL) if QL > 1 else (1,),
-               paths=("decode", "context", "prefill") if PREFILL else ("decode", "context"))
+               paths=("decode", "prefill") if PREFILL else ("decode", "context"))
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -115,39 +116,33 @@ for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's lon
                 plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=ntok, max_query_len=QL, max_seq_len=max_seq,
                           causal=True, sliding_window=window)
                 plan.run(query[:ntok], cache, out=output[:ntok], **cen, **({"center_sums": sums} if cen else {}))
-# Context after `first` decode rows (table slices start at row `first`), after a short cached context and
-# after a long one (a chunk of a long prefill or a prefix hit: the planner splits the KV range).
+# Prefill chunks after `first` decode rows (table slices start at row `first`): after no cached context, a short
+# one and a long one (a chunk of a long prefill or a prefix hit: the planner splits the KV range). By default the
+# chunk's context part (the builder plans none without context); with PREFILL the whole sequence, causal, queries
+# planned as at least PREFILL_MIN_QUERY_LEN (as the builder plans them).
+from turboquant_core.ops.paged_attention import PREFILL_MIN_QUERY_LEN
+
 for first in (0, 1, 3, 8):
-    for ctx_len in (24, 4096):
+    for ctx_len in (0, 24, 4096):
         for ntok in list(range(1, 131)) + [257, 512]:
             for reqs in (1, 2, 3):
-                if ntok < reqs:
+                if ntok < reqs or (ctx_len == 0 and not PREFILL):
                     continue
                 qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
-                ctx = torch.full((reqs,), ctx_len, dtype=torch.int32)
                 q = query[first : first + ntok]
-                longest = int((qsl[1:] - qsl[:-1]).max())
-                plan.plan(table[first : first + reqs], qsl, ctx, num_tokens=ntok, max_query_len=longest,
-                          max_seq_len=ctx_len, causal=False, sliding_window=window)
                 out = torch.empty(q.shape, dtype=q.dtype)
-                plan.run(q, cache, out=out, return_lse=True, **cen,
-                         **({"center_sums": sums[first:]} if cen else {}))
-if PREFILL:  # the builder plans such chunks with max_query_len >= PREFILL_MIN_QUERY_LEN
-    from turboquant_core.ops.paged_attention import PREFILL_MIN_QUERY_LEN
-    for first in (0, 3):
-        for ctx_len in (0, 24, 4096):
-            for ntok in list(range(1, 131)) + [257, 512]:
-                for reqs in (1, 3):
-                    if ntok < reqs:
-                        continue
-                    qsl = torch.tensor([0] + [ntok * (i + 1) // reqs for i in range(reqs)], dtype=torch.int32)
-                    longest = int((qsl[1:] - qsl[:-1]).max())
-                    full = torch.full((reqs,), ctx_len + longest, dtype=torch.int32)
-                    plan.plan(table[first : first + reqs], qsl, full, num_tokens=ntok,
+                longest = int((qsl[1:] - qsl[:-1]).max())
+                if PREFILL:
+                    kv = torch.full((reqs,), ctx_len + longest, dtype=torch.int32)
+                    plan.plan(table[first : first + reqs], qsl, kv, num_tokens=ntok,
                               max_query_len=max(longest, PREFILL_MIN_QUERY_LEN), max_seq_len=ctx_len + longest,
                               causal=True, sliding_window=window)
-                    plan.run(query[first : first + ntok], cache, out=torch.empty(ntok, hq, d, dtype=torch.bfloat16),
-                             **cen, **({"center_sums": sums[first:]} if cen else {}))
+                else:
+                    kv = torch.full((reqs,), ctx_len, dtype=torch.int32)
+                    plan.plan(table[first : first + reqs], qsl, kv, num_tokens=ntok, max_query_len=longest,
+                              max_seq_len=ctx_len, causal=False, sliding_window=window)
+                plan.run(q, cache, out=out, return_lse=not PREFILL, **cen,
+                         **({"center_sums": sums[first:]} if cen else {}))
 serve = set(seen)
 print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
                       unused=sorted(map(list, warm - serve)), kernels=sorted({k for k, _ in serve}))))

@@ -57,24 +57,22 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     launches = [dict(kernel="store")]
     plan = TQAttentionPlan(layout, num_q_heads, num_kv_heads, dev, workspace_bytes=2 * (d + 1) * 4 * num_q_heads * 160,
                            config=config)
-    shapes: dict[tuple[int, bool], int] = {}
-    if "context" in paths:
-        # The first query length of every (block_m, one_qblock) the planner can choose.
+
+    def first_query_lens(shortest: int, causal: bool) -> list[int]:
+        """The first query length of every (block_m, one_qblock) the planner can choose from ``shortest`` on."""
+        shapes: dict[tuple[int, bool], int] = {}
         scan_qsl = seq_lens.new_tensor([0, 1])  # contents are not read while planning
-        for qlen in range(1, 2 * 128 + 2):
+        for qlen in range(shortest, 2 * 128 + 2):
             plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
-                      causal=False)
+                      causal=causal)
             shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
-    prefill_shapes: dict[tuple[int, bool], int] = {}
-    if "prefill" in paths:
-        scan_qsl = seq_lens.new_tensor([0, 1])
-        for qlen in range(PREFILL_MIN_QUERY_LEN, 2 * 128 + 2):
-            plan.plan(block_table, scan_qsl, seq_lens, num_tokens=qlen, max_query_len=qlen, max_seq_len=bs,
-                      causal=True)
-            prefill_shapes.setdefault((plan.block_m, plan.one_qblock), qlen)
+        return sorted(shapes.values())
+
     runs = [("decode", qlen, True) for qlen in decode_query_lens] if "decode" in paths else []
-    runs += [("context", qlen, False) for qlen in sorted(shapes.values())]
-    runs += [("prefill", qlen, True) for qlen in sorted(prefill_shapes.values())]
+    if "context" in paths:
+        runs += [("context", qlen, False) for qlen in first_query_lens(1, causal=False)]
+    if "prefill" in paths:
+        runs += [("prefill", qlen, True) for qlen in first_query_lens(PREFILL_MIN_QUERY_LEN, causal=True)]
     for path, qlen, causal in runs:
         q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
         for splits in (1, 2):

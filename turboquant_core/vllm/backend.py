@@ -360,9 +360,8 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             self.layout.fmt, self.layout.head_dim, kv_cache.shape[-1] // per_token
         )
         launches = 0
-        paths = ("decode", "context")
-        if self.tq_config.prefill_from_cache:
-            paths += ("prefill",)
+        # With prefill from the cache, chunks never take the context path.
+        paths = ("decode", "prefill" if self.tq_config.prefill_from_cache else "context")
         threshold = self.reorder_batch_threshold or 1
         decode_query_lens = (1, threshold) if threshold > 1 else (1,)
         for num_heads, window, scale in self.plans:
@@ -452,56 +451,44 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         metadata.prefill_query_start_loc = (
             cam.query_start_loc[first : end + 1] - num_decode_tokens
         )
+        upper = cam.seq_lens_cpu_upper_bound
         if self.tq_config.prefill_from_cache:
             # The store ran before attention: each chunk's queries are the last tokens
-            # of its stored sequence, as for decode.
+            # of its stored sequence, as for decode (causal over the whole sequence).
             metadata.prefill_from_cache = True
-            max_seq_len = (
-                int(cam.seq_lens_cpu_upper_bound[first:end].max())
-                if cam.seq_lens_cpu_upper_bound is not None
-                else cam.max_seq_len
+            kv_lens = cam.seq_lens[first:end]
+            max_kv_len = (
+                int(upper[first:end].max()) if upper is not None else cam.max_seq_len
             )
-            for (_, window, scale), plans in self.plans.items():
-                plans.context.plan(
-                    cam.block_table_tensor[first:end],
-                    metadata.prefill_query_start_loc,
-                    cam.seq_lens[first:end],
-                    num_tokens=metadata.num_prefill_tokens,
-                    max_query_len=max(
-                        metadata.max_prefill_query_len, PREFILL_MIN_QUERY_LEN
-                    ),
-                    max_seq_len=max_seq_len,
-                    causal=True,
-                    sliding_window=window,
-                    softmax_scale=scale,
-                )
-            return metadata
-        # Context = tokens computed before this step. The CPU upper bound of
-        # seq_lens is exact for prefill rows; without it, assume context.
-        if cam.seq_lens_cpu_upper_bound is not None:
-            context_cpu = cam.seq_lens_cpu_upper_bound[first:end] - query_lens_cpu
-            max_context_len = int(context_cpu.max())
+            max_query_len = max(metadata.max_prefill_query_len, PREFILL_MIN_QUERY_LEN)
         else:
-            max_context_len = cam.max_seq_len
-        metadata.prefill_has_context = max_context_len > 0
-        if metadata.prefill_has_context:
+            # Context = tokens computed before this step. The CPU upper bound of
+            # seq_lens is exact for prefill rows; without it, assume context.
+            if upper is not None:
+                max_kv_len = int((upper[first:end] - query_lens_cpu).max())
+            else:
+                max_kv_len = cam.max_seq_len
+            metadata.prefill_has_context = max_kv_len > 0
+            if not metadata.prefill_has_context:
+                return metadata
             query_lens = (
                 cam.query_start_loc[first + 1 : end + 1]
                 - cam.query_start_loc[first:end]
             )
-            context_lens = (cam.seq_lens[first:end] - query_lens).to(torch.int32)
-            for (_, window, scale), plans in self.plans.items():
-                plans.context.plan(
-                    cam.block_table_tensor[first:end],
-                    metadata.prefill_query_start_loc,
-                    context_lens,
-                    num_tokens=metadata.num_prefill_tokens,
-                    max_query_len=metadata.max_prefill_query_len,
-                    max_seq_len=max_context_len,
-                    causal=False,
-                    sliding_window=window,
-                    softmax_scale=scale,
-                )
+            kv_lens = (cam.seq_lens[first:end] - query_lens).to(torch.int32)
+            max_query_len = metadata.max_prefill_query_len
+        for (_, window, scale), plans in self.plans.items():
+            plans.context.plan(
+                cam.block_table_tensor[first:end],
+                metadata.prefill_query_start_loc,
+                kv_lens,
+                num_tokens=metadata.num_prefill_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_kv_len,
+                causal=metadata.prefill_from_cache,
+                sliding_window=window,
+                softmax_scale=scale,
+            )
         return metadata
 
 
