@@ -12,6 +12,7 @@ Cases, each mapped to the stock failure it covers:
 3. test_ngram_speculative_decoding -- spec decode: degenerate loops with ngram/MTP drafts, and K+1 verify batches
    breaking CUDA-graph capture (vllm#40831, vllm#40807, vllm#53180). ngram, temperature 0, CUDA graphs on,
    SmolLM2; per-token times of ours and bf16 with and without ngram are written to a JSON file, not asserted.
+   Verification steps whose drafts differ in length must replay the uniform full CUDA graphs (vLLM patch 0009).
 4. test_non_power_of_two_head_dim -- head_dim 80 (Phi-2 shape) and 96 (Phi-3-mini shape) crash stock's MSE-key
    presets (vllm#41413, vllm#41414). 4-layer dummy models (benchmarks/configs/phi-2-4l, phi-3-mini-4l); a head size
    the backend does not list (turboquant_core.ops.page_layout.ATTENTION_HEAD_DIMS) must be refused by an error
@@ -129,6 +130,26 @@ def _trace_steps(llm) -> list[dict]:
     return steps
 
 
+_DISPATCHES: list[list] = []
+
+
+def _trace_dispatch(worker) -> None:
+    """Record, in the worker, how each serving step was dispatched: [requests, tokens, longest query, CUDA-graph mode,
+    tokens after padding]. Dummy and capture runs (which force the uniform flag) are left out. Runs through
+    ``LLM.collective_rpc`` in an in-process engine, so the records land in this process."""
+    runner = worker.model_runner
+    determine = runner._determine_batch_execution_and_padding
+
+    def traced(*args, **kwargs):
+        out = determine(*args, **kwargs)
+        if kwargs.get("force_uniform_decode") is None:
+            _DISPATCHES.append([kwargs["num_reqs"], kwargs["num_tokens"], kwargs["max_num_scheduled_tokens"],
+                                out[0].name, out[1].num_tokens])
+        return out
+
+    runner._determine_batch_execution_and_padding = traced
+
+
 def _output_record(o) -> dict:
     out = o.outputs[0]
     sampled, top_finite = [], True
@@ -186,6 +207,9 @@ def _serve(config: dict) -> dict:
         assert inprocess, "inspect_layers needs the in-process engine"
         result["layers"] = llm.apply_model(_describe_layers)[0]
     steps = _trace_steps(llm) if config.get("trace_steps") else None
+    if config.get("trace_dispatch"):
+        assert inprocess, "trace_dispatch needs the in-process engine"
+        llm.collective_rpc(_trace_dispatch)
     for phase in config["phases"]:
         prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in phase["prompts"]]
         params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 16),
@@ -193,6 +217,7 @@ def _serve(config: dict) -> dict:
                                 ignore_eos=phase.get("ignore_eos", False))
         if steps is not None:
             steps.clear()
+        _DISPATCHES.clear()
         before = _counters(llm)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -201,7 +226,8 @@ def _serve(config: dict) -> dict:
         result["phases"].append(dict(
             name=phase.get("name", ""), elapsed_s=elapsed, outputs=[_output_record(o) for o in outputs],
             counters={k: v - before.get(k, 0) for k, v in after.items()},
-            steps=None if steps is None else list(steps)))
+            steps=None if steps is None else list(steps),
+            dispatches=list(_DISPATCHES) if config.get("trace_dispatch") else None))
     return result
 
 
@@ -473,11 +499,27 @@ def test_ngram_speculative_decoding(engine, tmp_path):
             "ours": engine(kv_cache_dtype=dtype, **common),
             "ours+ngram": engine(kv_cache_dtype=dtype, engine_kwargs=dict(speculative_config=NGRAM), **common)}
 
+    # The same speculative engine in-process, each step's CUDA-graph dispatch recorded: decode steps whose drafts
+    # differ in length replay the uniform full graphs (vLLM patch 0009), as uniform ones do.
+    traced = engine(kv_cache_dtype=dtype, engine_kwargs=dict(speculative_config=NGRAM), trace_dispatch=True,
+                    **{**common, "inprocess": True})
+    ql = 1 + NGRAM["num_speculative_tokens"]
+    decode = [d for d in traced["phases"][-1]["dispatches"] if d[2] <= ql]
+    ragged = [d for d in decode if d[1] != d[0] * ql]
+    dispatch = dict(decode_steps=len(decode), ragged_steps=len(ragged),
+                    modes={m: sum(d[3] == m for d in decode) for m in sorted({d[3] for d in decode})},
+                    ragged_modes={m: sum(d[3] == m for d in ragged) for m in sorted({d[3] for d in ragged})})
+
     timings = {name: _timing(run) for name, run in runs.items()}
     path = Path(os.environ.get("TQ_STOCK_TIMINGS_JSON") or tmp_path / "ngram_timings.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(model=model, ours=dtype, speculative_config=NGRAM, runs=timings), indent=2))
-    print(f"ngram timings ({path}):\n{json.dumps(timings, indent=2)}")
+    path.write_text(json.dumps(dict(model=model, ours=dtype, speculative_config=NGRAM, runs=timings,
+                                    ours_ngram_dispatch=dispatch), indent=2))
+    print(f"ngram timings ({path}):\n{json.dumps(timings, indent=2)}\ndispatch of ours + ngram: {dispatch}")
+    assert ragged, f"no verification step with drafts of different lengths: {decode[:20]}"
+    assert all(d[3] == "FULL" for d in decode), [d for d in decode if d[3] != "FULL"][:20]
+    _assert_finite(traced)
+    assert _n_agree(_tokens(traced), _tokens(runs["ours"]), 8) >= _min_agree(len(REPETITIVE_PROMPTS))
 
     spec, plain = runs["ours+ngram"], runs["ours"]
     _assert_finite(spec)

@@ -230,6 +230,12 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
     # host sync and reads only persistent metadata buffers. Mixed batches
     # (FlashAttention prefill + context merge) run piecewise.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Verification batches whose drafts differ in length (1 to 1 + the speculative
+    # tokens queries per request) may replay the uniform graph of as many requests,
+    # padded to it (vLLM patch 0009): the decode kernel and the query centering read
+    # each request's query length from query_start_loc, and the padding requests
+    # have none.
+    supports_ragged_uniform_decode: ClassVar[bool] = True
 
     def __init__(
         self,
