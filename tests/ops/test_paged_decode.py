@@ -32,6 +32,21 @@ from turboquant_core.ops.paged_decode import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("num_reqs,context,want", [(8, 32768, 24), (16, 16384, 12), (64, 1280, 3), (32, 8448, 6),
+                                                   (128, 2048, 3), (384, 2304, 1), (1, 32768, 128), (4, 2048, 8)])
+def test_split_count_fills_whole_waves_of_programs(num_reqs, context, want):
+    """132 SMs (the CPU stands in for an H100), 8 KV heads, pages of 16, one split per 256 tokens at most: the
+    counts the split sweep measured fastest, none leaving a few programs to a wave of their own."""
+    wave = paged_decode.DECODE_PROGRAMS_PER_SM * 132
+    got = paged_decode.num_decode_splits(num_reqs, 8, context, "cpu", 256, 1 << 20)
+    assert got == want
+    programs = num_reqs * 8 * got
+    if got > 1 and got < context // 256:  # not capped by the context: the waves are nearly full
+        assert programs / (-(-programs // wave) * wave) >= 0.9, (programs, wave)
+    assert paged_decode.num_decode_splits(num_reqs, 8, context, "cpu", 256, 2) <= 2
+
+
+
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_orders_are_permutations_with_a_words_fields_in_one_thread(dim):
     for order, lane_bits in ((decode_key_order(dim), (1, 2)), (decode_value_order(dim), (0, 1, 2))):

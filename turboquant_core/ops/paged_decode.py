@@ -27,9 +27,13 @@ DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a 
 DECODE_BITS = (2, 3, 4)
 DECODE_BLOCK_N = 16  # tokens per tile (benchmarks/results/2026-11-24-h100-register-tile-decode/)
 DECODE_MAX_COLUMNS = 16  # (query token, head) pairs per KV head: the kernel's MMA columns
-# Programs to aim for when splitting the KV range: the one-warp programs resident per SM (14 at the centred
-# kernel's 142 registers on sm_90), so that a split batch runs in one wave, not one and a fraction.
-DECODE_PROGRAMS_PER_SM = 14
+# One wave of decode programs per SM when splitting the KV range. The centred kernel's 142 registers would let 14
+# one-warp programs reside; with its shared-memory tile of centre terms the split sweep is fastest at 12 per SM
+# for the centred and the plain kernel alike (benchmarks/results/2026-11-25-h100-decode-splits/).
+DECODE_PROGRAMS_PER_SM = 12
+# A split count whose waves are fuller by more than this is worth its extra splits; within it, fewer splits win
+# (each split adds a prologue, partial outputs and merge work).
+WAVE_FILL_SLACK = 0.05
 ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
 
 
@@ -105,11 +109,26 @@ def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
 
 def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
                       max_splits: int) -> int:
+    """KV splits per (request, KV head) for a decode batch: none when the pairs alone fill a wave of programs;
+    otherwise the fewest splits whose programs fill their waves within WAVE_FILL_SLACK of the best count (a
+    batch of one wave and a few programs takes about two waves' time), at most one split per ``min_tokens``
+    of the longest sequence and ``max_splits``."""
     from .paged_attention import _sm_count
 
-    target = DECODE_PROGRAMS_PER_SM * _sm_count(str(device))
-    return max(1, min(triton.cdiv(target, max(num_reqs * num_kv_heads, 1)), max(max_seq_len // min_tokens, 1),
-                      max_splits))
+    pairs = max(num_reqs * num_kv_heads, 1)
+    wave = DECODE_PROGRAMS_PER_SM * _sm_count(str(device))
+    most = max(1, min(max_seq_len // min_tokens, max_splits))
+    if pairs >= wave or most == 1:
+        return 1
+
+    def fill(splits: int) -> float:
+        programs = pairs * splits
+        return programs / (triton.cdiv(programs, wave) * wave)
+
+    # The fullest counts sit just below a whole number of waves: one or two (more waves only add splits).
+    candidates = sorted({1, most, *(min(max(k * wave // pairs, 1), most) for k in (1, 2))})
+    best = max(fill(s) for s in candidates)
+    return next(s for s in candidates if fill(s) >= best - WAVE_FILL_SLACK)
 
 
 # Workspace sections start on 64-byte boundaries: their pointers keep one alignment class whatever the batch, so
