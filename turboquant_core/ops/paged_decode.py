@@ -27,9 +27,10 @@ DECODE_HEAD_DIMS = (64, 128)  # d = 256: the accumulator and query alone fill a 
 DECODE_BITS = (2, 3, 4)
 DECODE_BLOCK_N = 16  # tokens per tile (benchmarks/results/2026-11-24-h100-register-tile-decode/)
 DECODE_MAX_COLUMNS = 16  # (query token, head) pairs per KV head: the kernel's MMA columns
-# One wave of decode programs per SM when splitting the KV range. The centred kernel's 142 registers would let 14
-# one-warp programs reside; with its shared-memory tile of centre terms the split sweep is fastest at 12 per SM
-# for the centred and the plain kernel alike (benchmarks/results/2026-11-25-h100-decode-splits/).
+# One wave of decode programs per SM when splitting the KV range. The centred kernel's 142 registers let 14
+# one-warp programs reside, but the split sweep is fastest at 12, a multiple of an SM's four schedulers (with 14,
+# two schedulers hold four issue-bound warps and the wave waits for them); the plain kernel (16 resident) is within
+# a few percent of its best there (benchmarks/results/2026-11-25-h100-decode-splits/).
 DECODE_PROGRAMS_PER_SM = 12
 # A split count whose waves are fuller by more than this is worth its extra splits; within it, fewer splits win
 # (each split adds a prologue, partial outputs and merge work).
