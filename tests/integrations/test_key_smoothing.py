@@ -18,10 +18,10 @@ from turboquant_core.integrations.key_smoothing import (  # noqa: E402
 from turboquant_core.quantizer import MSEQuantizer  # noqa: E402
 
 
-def _tiny(kind: str):
+def _tiny(kind: str, kv_heads: int = 2):
     torch.manual_seed(0)
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+                  num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=128)
     if kind == "llama":
         cfg = transformers.LlamaConfig(attention_bias=True, **common)
     elif kind == "qwen3":
@@ -136,7 +136,7 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 class FusedAttention(torch.nn.Module):
-    def __init__(self, qkv_weight, qkv_bias, n_q, n_kv, d, q_norm=None, k_norm=None, rope=None):
+    def __init__(self, qkv_weight, qkv_bias, n_q, n_kv, d, q_norm=None, k_norm=None, rope=None, total_kv=None):
         super().__init__()
         self.qkv_proj = torch.nn.Linear(qkv_weight.shape[1], qkv_weight.shape[0], bias=qkv_bias is not None)
         with torch.no_grad():
@@ -144,6 +144,7 @@ class FusedAttention(torch.nn.Module):
             if qkv_bias is not None:
                 self.qkv_proj.bias.copy_(qkv_bias)
         self.num_heads, self.num_kv_heads, self.head_dim = n_q, n_kv, d
+        self.total_num_kv_heads = total_kv or n_kv
         self.q_size, self.kv_size = n_q * d, n_kv * d
         self.rotary_emb = rope if rope is not None else RotaryEmbedding(d)
         if q_norm is not None:
@@ -194,7 +195,8 @@ def _fused_from_hf(hf, tp_rank=0, tp_size=1):
         qn = kn = None
         if hasattr(a, "q_norm"):
             qn, kn = norm_cls(a.q_norm.weight), norm_cls(a.k_norm.weight)
-        layers.append(FusedLayer(FusedAttention(w, b, n_q, n_kv, d, qn, kn), norm_cls(hl.input_layernorm.weight)))
+        layers.append(FusedLayer(FusedAttention(w, b, n_q, n_kv, d, qn, kn, total_kv=cfg.num_key_value_heads),
+                                 norm_cls(hl.input_layernorm.weight)))
     return FusedModel(layers)
 
 
@@ -249,6 +251,68 @@ def test_fused_tensor_parallel_rank_uses_its_kv_heads():
         fused = _fused_from_hf(hf, rank, 2)
         s = smooth_fused_layer(fused.model.layers[0])
         torch.testing.assert_close(s, ref[0].scales[rank:rank + 1], rtol=1e-6, atol=0)
+
+
+def _tensor_parallel_rank(rank: int, size: int, init: str, kind: str, kv_heads: int) -> None:
+    """One rank of a gloo group: smooth this rank's shard with the group, compare with one rank's result."""
+    import torch.distributed as dist
+
+    from turboquant_core.integrations.key_smoothing import TensorParallelHeads
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        hf = _tiny(kind, kv_heads)
+        whole, shard = _fused_from_hf(hf), _fused_from_hf(hf, rank, size)
+        summary = apply_key_smoothing_fused(shard, tp=TensorParallelHeads(rank, size, dist.group.WORLD))
+        assert summary.skipped == [], summary.skipped
+        apply_key_smoothing_fused(whole)
+        ref = _fused_from_hf(_WholeAsHF(whole, hf), rank, size)  # the one-rank result, cut as the rank's shard
+        for got, want in zip(shard.model.layers, ref.model.layers):
+            torch.testing.assert_close(got.self_attn.qkv_proj.weight, want.self_attn.qkv_proj.weight,
+                                       rtol=1e-6, atol=0)
+            if hasattr(want.self_attn, "q_norm"):
+                torch.testing.assert_close(got.self_attn.q_norm.weight, want.self_attn.q_norm.weight,
+                                           rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(got.self_attn.k_norm.weight, want.self_attn.k_norm.weight,
+                                           rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
+class _WholeAsHF:
+    """A smoothed one-rank fused model seen as ``_fused_from_hf``'s input (q/k/v projections and norms)."""
+
+    def __init__(self, fused, hf):
+        self.config = hf.config
+        self.model = torch.nn.Module()
+        self.model.layers = []
+        for fl in fused.model.layers:
+            a, w = fl.self_attn, fl.self_attn.qkv_proj.weight
+            b = fl.self_attn.qkv_proj.bias
+            q, k = slice(0, a.q_size), slice(a.q_size, a.q_size + a.kv_size)
+            v = slice(a.q_size + a.kv_size, None)
+            attn = torch.nn.Module()
+            for name, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                proj = torch.nn.Module()
+                proj.weight, proj.bias = w[rows], None if b is None else b[rows]
+                setattr(attn, name, proj)
+            if hasattr(a, "q_norm"):
+                attn.q_norm, attn.k_norm = a.q_norm, a.k_norm
+            layer = torch.nn.Module()
+            layer.self_attn, layer.input_layernorm = attn, fl.input_layernorm
+            self.model.layers.append(layer)
+
+
+@pytest.mark.parametrize("kind,kv_heads", [("llama", 2), ("qwen3", 2), ("gemma3", 2), ("llama", 1), ("qwen3", 1)])
+def test_fused_tensor_parallel_ranks_fold_the_one_rank_scales(kind, kv_heads, tmp_path):
+    """Two gloo ranks, each with its contiguous query heads and its KV head (or, with one KV head, a replica of
+    it): every rank's smoothed weights and norm gains equal the one-rank result's rows of that rank."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_tensor_parallel_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", kind, kv_heads), nprocs=2)
 
 
 def _random_layer(d=32, n_q=4, n_kv=2, hidden=48, qk_norm=False, rope=None, dtype=torch.float32):

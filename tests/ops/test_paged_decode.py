@@ -46,7 +46,6 @@ def test_split_count_fills_whole_waves_of_programs(num_reqs, context, want):
     assert paged_decode.num_decode_splits(num_reqs, 8, context, "cpu", 256, 2) <= 2
 
 
-
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_orders_are_permutations_with_a_words_fields_in_one_thread(dim):
     for order, lane_bits in ((decode_key_order(dim), (1, 2)), (decode_value_order(dim), (0, 1, 2))):

@@ -31,8 +31,10 @@ One computation of s (``weight_scales``), two front-ends:
   ``fold_qkv_rows=False``, i.e. only layers with q/k-norm gains; ``all`` folds into the qkv rows too.
   Layers it cannot smooth exactly are left untouched and reported: non-float (quantized) qkv
   weights, RoPE other than rotate-half over the whole head, odd head_dim, unknown norm types. With
-  tensor parallelism each rank pools the statistics of its own heads, so s can differ between
-  ranks (each rank's logits stay exact); with one rank s equals the Hugging Face front-end's.
+  tensor parallelism (``TensorParallelHeads``) the ranks gather each other's row norms, so every rank
+  folds the s of the whole layer, the same as with one rank and as the Hugging Face front-end's: a
+  rank's quantized keys do not depend on how the heads are split (KV heads replicated over ranks
+  included).
 
 Measured on the CPU (benchmarks/results/eval-ppl-cpu/key-research): Gemma 3 270M, 4-bit keys and
 values: +11.5 % -> +2.5 % perplexity; neutral on SmolLM2-135M. In vLLM on an H100
@@ -83,10 +85,21 @@ def weight_scales(w_q: torch.Tensor, w_k: torch.Tensor, in_gain: torch.Tensor, n
         raise ValueError(f"{n_q} query heads do not divide into {n_kv} KV heads")
     if (q_gain is None) != (k_gain is None):
         raise ValueError("q_norm and k_norm gains must both be given or both be absent")
-    dev = w_q.device
-    g = in_gain.detach().float().to(dev)
-    rq = (w_q.detach().float() * g).norm(dim=1).view(n_q, d)
-    rk = (w_k.detach().float() * g).norm(dim=1).view(n_kv, d)
+    g = in_gain.detach().float().to(w_q.device)
+    return _scales_from_row_norms(_row_norms(w_q, g), _row_norms(w_k, g), n_q, n_kv, d, q_gain, k_gain, power)
+
+
+def _row_norms(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """Norm of every row of W * g: the rms of its output channel for a normalized input."""
+    return (w.detach().float() * gain).norm(dim=1)
+
+
+def _scales_from_row_norms(row_q: torch.Tensor, row_k: torch.Tensor, n_q: int, n_kv: int, d: int,
+                          q_gain: torch.Tensor | None = None, k_gain: torch.Tensor | None = None,
+                          power: float = 0.5) -> torch.Tensor:
+    """``weight_scales`` from the row norms of W_q * g [n_q * d] and W_k * g [n_kv * d]."""
+    dev = row_q.device
+    rq, rk = row_q.view(n_q, d), row_k.view(n_kv, d)
     if q_gain is not None:
         # Per-head RMSNorm after the projection: the row norms matter only relative to their head.
         rq = rq / rq.pow(2).mean(-1, keepdim=True).sqrt() * q_gain.detach().float().to(dev)
@@ -96,6 +109,43 @@ def weight_scales(w_q: torch.Tensor, w_k: torch.Tensor, in_gain: torch.Tensor, n
                                 pair_rms(rk).pow(2).mean(0, keepdim=True).sqrt(), power)
     rq_kv = pair_rms(rq).pow(2).view(n_kv, n_q // n_kv, d // 2).mean(1).sqrt()
     return smoothing_scales(rq_kv, pair_rms(rk), power)
+
+
+@dataclass(frozen=True)
+class TensorParallelHeads:
+    """This rank's place in the tensor-parallel group that splits a layer's heads (vLLM: query and KV heads in
+    contiguous blocks per rank; with fewer KV heads than ranks each KV head replicated on ``size / total``
+    consecutive ranks). ``group``: the torch.distributed process group over the ``size`` ranks."""
+
+    rank: int
+    size: int
+    group: object
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] of every rank, concatenated in rank order (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def kv_heads(self, total: int, local: int) -> tuple[int, int]:
+        """(first KV head of this rank in the layer's order, ranks holding each KV head)."""
+        replicas = max(1, self.size // total)
+        if total % self.size and self.size % total:
+            raise KeySmoothingUnsupported(f"{total} KV heads do not split over {self.size} tensor-parallel ranks")
+        return (self.rank // replicas) * local, replicas
+
+
+def _layer_row_norms(row_q: torch.Tensor, row_k: torch.Tensor, attn, n_kv: int, d: int,
+                     tp: TensorParallelHeads) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The row norms of the whole layer from every rank's (query rows in rank order; one copy of each
+    replicated KV head), the layer's head counts, and this rank's first KV head."""
+    total_kv = _int_attr(attn, "total_num_kv_heads", "self_attn")
+    first_kv, replicas = tp.kv_heads(total_kv, n_kv)
+    row_q, row_k = tp.gather(row_q), tp.gather(row_k)
+    row_k = row_k.view(tp.size, n_kv * d)[::replicas].reshape(-1)
+    return row_q, row_k, row_k.numel() // d, first_kv
 
 
 def _fold_into_gain(norm: torch.nn.Module, factor: torch.Tensor, one_plus: bool) -> None:
@@ -258,12 +308,16 @@ def _check_rope(attn, d: int) -> None:
 
 
 @torch.no_grad()
-def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows: bool = True) -> torch.Tensor:
-    """Fold key smoothing into one vLLM-style decoder layer in place; returns s ([n_kv, d] or [1, d]).
+def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows: bool = True,
+                       tp: TensorParallelHeads | None = None) -> torch.Tensor:
+    """Fold key smoothing into one vLLM-style decoder layer in place; returns s ([n_kv, d] or [1, d]) of
+    this rank's KV heads.
 
     Raises ``KeySmoothingUnsupported`` (a ValueError), with the layer untouched, when it cannot be done
     exactly. ``fold_qkv_rows=False`` refuses layers without q/k norms (whose scale would go into the
-    qkv_proj rows), e.g. when LoRA adapters on qkv_proj would not see it."""
+    qkv_proj rows), e.g. when LoRA adapters on qkv_proj would not see it. ``tp``: the layer's heads are
+    split over tensor-parallel ranks; every rank calls this for the same layers in the same order (the
+    decisions to refuse depend only on the layer's structure, the same on every rank)."""
     attn, in_norm = getattr(layer, "self_attn", None), getattr(layer, "input_layernorm", None)
     if attn is None or in_norm is None:
         raise KeySmoothingUnsupported("no self_attn / input_layernorm")
@@ -297,18 +351,26 @@ def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows
     if (q_norm is None) != (k_norm is None):
         raise KeySmoothingUnsupported("only one of q_norm / k_norm")
     w_q, w_k = w[:q_size], w[q_size:q_size + kv_size]
+    q_gain = k_gain = None
     if q_norm is not None:
         q_gain, q_one_plus = _norm_gain(q_norm, "self_attn.q_norm", d, foldable=True)
         k_gain, k_one_plus = _norm_gain(k_norm, "self_attn.k_norm", d, foldable=True)
         if q_norm is k_norm or q_norm.weight.data_ptr() == k_norm.weight.data_ptr():
             raise KeySmoothingUnsupported("q_norm and k_norm share one weight")
-        s = weight_scales(w_q, w_k, in_gain, n_q, n_kv, d, q_gain, k_gain, power)
+    elif not fold_qkv_rows:
+        raise KeySmoothingUnsupported("no q/k norms, and folding into the qkv_proj rows is off")
+    g = in_gain.detach().float().to(w.device)
+    row_q, row_k = _row_norms(w_q, g), _row_norms(w_k, g)
+    layer_q, layer_kv, first_kv = n_q, n_kv, 0
+    if tp is not None and tp.size > 1:
+        row_q, row_k, layer_kv, first_kv = _layer_row_norms(row_q, row_k, attn, n_kv, d, tp)
+        layer_q = row_q.numel() // d
+    s = _scales_from_row_norms(row_q, row_k, layer_q, layer_kv, d, q_gain, k_gain, power)
+    if q_norm is not None:
         _fold_into_gain(k_norm, s[0], k_one_plus)
         _fold_into_gain(q_norm, 1.0 / s[0], q_one_plus)
         return s
-    if not fold_qkv_rows:
-        raise KeySmoothingUnsupported("no q/k norms, and folding into the qkv_proj rows is off")
-    s = weight_scales(w_q, w_k, in_gain, n_q, n_kv, d, power=power)
+    s = s[first_kv:first_kv + n_kv]
     k_rows, q_rows = _row_factors(s, n_q)
     _fold_into_rows(w_k, None if bias is None else bias[q_size:q_size + kv_size], k_rows)
     _fold_into_rows(w_q, None if bias is None else bias[:q_size], q_rows)
@@ -316,17 +378,17 @@ def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows
 
 
 @torch.no_grad()
-def apply_key_smoothing_fused(model: torch.nn.Module, power: float = 0.5,
-                              fold_qkv_rows: bool = True) -> SmoothingSummary:
+def apply_key_smoothing_fused(model: torch.nn.Module, power: float = 0.5, fold_qkv_rows: bool = True,
+                              tp: TensorParallelHeads | None = None) -> SmoothingSummary:
     """Fold key smoothing into every vLLM-style decoder layer of ``model`` (modules with ``.self_attn``
     and ``.input_layernorm``) in place. Layers that cannot be smoothed exactly are left untouched and
-    listed with the reason; see ``smooth_fused_layer``."""
+    listed with the reason; see ``smooth_fused_layer`` (and for ``tp``)."""
     summary = SmoothingSummary()
     for name, module in model.named_modules():
         if getattr(module, "self_attn", None) is None or getattr(module, "input_layernorm", None) is None:
             continue
         try:
-            smooth_fused_layer(module, power, fold_qkv_rows)
+            smooth_fused_layer(module, power, fold_qkv_rows, tp)
         except KeySmoothingUnsupported as e:
             summary.skipped.append((name, str(e)))
         else:
@@ -334,5 +396,6 @@ def apply_key_smoothing_fused(model: torch.nn.Module, power: float = 0.5,
     return summary
 
 
-__all__ = ["KeySmoothingUnsupported", "SmoothedLayer", "SmoothingSummary", "apply_key_smoothing",
-           "apply_key_smoothing_fused", "pair_rms", "smooth_fused_layer", "smoothing_scales", "weight_scales"]
+__all__ = ["KeySmoothingUnsupported", "SmoothedLayer", "SmoothingSummary", "TensorParallelHeads",
+           "apply_key_smoothing", "apply_key_smoothing_fused", "pair_rms", "smooth_fused_layer", "smoothing_scales",
+           "weight_scales"]

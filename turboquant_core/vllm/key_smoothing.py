@@ -7,6 +7,8 @@ every q.k logit is unchanged in full precision, and channels with strong keys an
 compressed keys' error. ``--tq-key-smoothing``: ``auto`` smooths the layers whose q/k-norm gains take the scale
 (Qwen3, Gemma 3), where those gains unbalance the key channels; ``all`` also folds it into the k and q rows of
 ``qkv_proj`` on layers without q/k norms (Llama style), where it was not found to help; ``off`` smooths nothing.
+With tensor parallelism the ranks gather each other's statistics over the tensor-parallel group, so every rank folds
+the scales a single GPU would.
 """
 
 from torch import nn
@@ -28,5 +30,19 @@ def tq_key_smoothing(model: nn.Module, vllm_config) -> None:
 
     # LoRA adapters on qkv_proj would not see a scale folded into its rows: with LoRA only the norm gains take it.
     fold_rows = mode == "all" and getattr(vllm_config, "lora_config", None) is None
-    summary = apply_key_smoothing_fused(model, fold_qkv_rows=fold_rows)
+    summary = apply_key_smoothing_fused(model, fold_qkv_rows=fold_rows, tp=_tensor_parallel_heads())
     logger.info("TurboQuant key smoothing (%s): %s", mode, summary.describe())
+
+
+def _tensor_parallel_heads():
+    """This rank in vLLM's tensor-parallel group, when there is more than one rank."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return None
+    from ..integrations.key_smoothing import TensorParallelHeads
+
+    return TensorParallelHeads(group.rank_in_group, group.world_size, group.device_group)
