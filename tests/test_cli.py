@@ -139,6 +139,19 @@ def test_memory_text_and_json(capsys, tmp_path):
     assert data["rows"][2]["kv_bytes"] == 32 * 8 * 116 * 8192
 
 
+def test_memory_per_gpu_with_tensor_parallelism(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    code, out, _ = run(capsys, "memory", "--config", str(cfg), "--context", "8192", "--tensor-parallel-size", "2",
+                       "--gpu-mem-gb", "20", "--presets", "turboquant_k3v4_nc")
+    assert code == 0 and "per GPU of 2 (tensor parallel): 4 KV heads" in out and "KV GiB per GPU" in out
+    code, out, _ = run(capsys, "memory", "--config", str(cfg), "--context", "8192", "--tensor-parallel-size", "2",
+                       "--json", "--presets", "turboquant_k3v4_nc")
+    assert json.loads(out)["rows"][2]["kv_bytes"] == 32 * 4 * 116 * 8192
+    code, _, err = run(capsys, "memory", "--config", str(cfg), "--context", "8192", "--tensor-parallel-size", "3")
+    assert code == 2 and "valid sizes: 1, 2, 4, 8, 16, 32" in err
+
+
 def test_memory_warns_past_max_position_embeddings(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**LLAMA, "max_position_embeddings": 131072}))

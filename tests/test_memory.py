@@ -8,6 +8,7 @@ from turboquant_core.memory import (
     GIB,
     ModelConfigError,
     context_warning,
+    kv_heads_per_gpu,
     kv_shape_from_config,
     load_config,
     memory_report,
@@ -40,6 +41,32 @@ def test_llama_bytes_by_hand():
     assert rows["turboquant_3bit_nc"]["kv_gib"] == pytest.approx(16 * 100 / 512)
     assert [r["name"] for r in rep["rows"]][:2] == ["bf16", "fp8"] and len(rep["rows"]) == 2 + len(KV_FORMATS)
     assert rep["full_layers"] == 32 and rep["windowed_layers"] == 0 and "fits" not in rows["bf16"]
+
+
+@pytest.mark.parametrize("kv_heads,tp,want", [(8, 1, 8), (8, 2, 4), (8, 8, 1), (8, 16, 1), (1, 2, 1), (2, 4, 1)])
+def test_kv_heads_per_gpu_as_vllm_splits_them(kv_heads, tp, want):
+    assert kv_heads_per_gpu({**LLAMA_8B, "num_key_value_heads": kv_heads}, kv_heads, tp) == want
+
+
+def test_tensor_parallel_sizes_per_gpu():
+    one, two = memory_report(LLAMA_8B, 32768, 4, gpu_mem_gib=20), memory_report(LLAMA_8B, 32768, 4, 20,
+                                                                                tensor_parallel_size=2)
+    assert (two["num_kv_heads"], two["kv_heads_per_gpu"], two["tensor_parallel_size"]) == (8, 4, 2)
+    for name, row in _rows(two).items():
+        assert row["kv_bytes"] * 2 == _rows(one)[name]["kv_bytes"]  # each GPU holds half the heads
+        assert row["max_total_tokens"] >= 2 * _rows(one)[name]["max_total_tokens"] - 4  # twice the tokens fit
+    # one KV head replicated on both GPUs: each holds all of it
+    mqa = {**LLAMA_8B, "num_key_value_heads": 1}
+    assert _rows(memory_report(mqa, 1024, tensor_parallel_size=2))["bf16"]["kv_bytes"] == \
+        _rows(memory_report(mqa, 1024))["bf16"]["kv_bytes"]
+
+
+@pytest.mark.parametrize("tp,message", [(3, "valid sizes: 1, 2, 4, 8, 16, 32"), (0, "must be positive")])
+def test_tensor_parallel_sizes_vllm_would_refuse(tp, message):
+    with pytest.raises(ValueError, match=message):
+        memory_report(LLAMA_8B, 1024, tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match="neither divides nor is a multiple of the model's 6 KV heads"):
+        memory_report({**LLAMA_8B, "num_attention_heads": 24, "num_key_value_heads": 6}, 1024, tensor_parallel_size=4)
 
 
 def test_llama_tokens_that_fit():

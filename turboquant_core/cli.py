@@ -217,7 +217,7 @@ def cmd_memory(args) -> int:
     from .memory import context_warning, load_config, memory_report
 
     cfg = load_config(args.config)
-    report = memory_report(cfg, args.context, args.batch, args.gpu_mem_gb, args.presets)
+    report = memory_report(cfg, args.context, args.batch, args.gpu_mem_gb, args.presets, args.tensor_parallel_size)
     warning = context_warning(cfg, args.context)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -228,11 +228,15 @@ def cmd_memory(args) -> int:
     print(f"{r['model_type']}: {r['num_layers']} layers ({r['full_layers']} full, {r['windowed_layers']} windowed, "
           f"{r['no_kv_layers']} without KV; {r['layer_types_source']}), {r['num_kv_heads']} KV heads, "
           f"head_dim {r['head_dim']}")
+    tp = r["tensor_parallel_size"]
+    per_gpu = f"; per GPU of {tp} (tensor parallel): {r['kv_heads_per_gpu']} KV heads" if tp > 1 else ""
     print(f"context {r['context']} tokens x batch {r['batch']}"
-          + (f", {r['gpu_mem_gib']:g} GiB for the KV cache" if r["gpu_mem_gib"] else ""))
+          + (f", {r['gpu_mem_gib']:g} GiB for the KV cache" + (" on each GPU" if tp > 1 else "")
+             if r["gpu_mem_gib"] else "") + per_gpu)
     columns = [
         ("name", "format", ""), ("origin", "origin", ""), ("bytes_per_token_per_head", "B/token/head", ""),
-        ("kv_gib", "KV GiB", ".3f"), ("vs_bf16", "x bf16", ".2f"), ("vs_fp8", "x fp8", ".2f"),
+        ("kv_gib", "KV GiB per GPU" if tp > 1 else "KV GiB", ".3f"), ("vs_bf16", "x bf16", ".2f"),
+        ("vs_fp8", "x fp8", ".2f"),
     ]
     if r["gpu_mem_gib"]:
         rows = [{**row, "max_context": "unlimited" if row["max_context"] is None else row["max_context"],
@@ -311,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gb", type=_positive_float, default=None,
                    help="GiB available to the KV cache: also report how many tokens fit")
     p.add_argument("--presets", type=_preset_names, default=None, help="comma-separated presets (default: all)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="GPUs the model's heads are split over, as vLLM's --tensor-parallel-size: sizes are per GPU "
+                        "(1)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser("eval-ppl", help="perplexity with each KV format (tq eval-ppl --help)", add_help=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .formats import BF16_BYTES, KV_FORMATS, get_format
@@ -182,17 +182,36 @@ def context_warning(cfg: dict, context: int) -> str | None:
     return None
 
 
+def kv_heads_per_gpu(cfg: dict, num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each GPU holds with ``tensor_parallel_size`` ranks, as vLLM splits them: a contiguous share, or
+    one head replicated on ``tensor_parallel_size / num_kv_heads`` ranks when there are fewer heads than ranks."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be positive, got {tp}")
+    heads = _text_config(cfg).get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        valid = [n for n in range(1, heads + 1) if heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention heads; "
+                         f"valid sizes: {', '.join(map(str, valid))}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"--tensor-parallel-size {tp} neither divides nor is a multiple of the model's "
+                         f"{num_kv_heads} KV heads")
+    return max(1, num_kv_heads // tp)
+
+
 def memory_report(
     cfg: dict,
     context: int,
     batch: int = 1,
     gpu_mem_gib: float | None = None,
     presets: list[str] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
-    """KV bytes for bf16, fp8 and each preset at ``context`` tokens x ``batch`` sequences.
+    """KV bytes per GPU for bf16, fp8 and each preset at ``context`` tokens x ``batch`` sequences.
 
-    With ``gpu_mem_gib`` (GiB available to the KV cache), also the longest context per sequence
-    and the total tokens that fit at this batch size.
+    With ``gpu_mem_gib`` (GiB available to the KV cache on each GPU), also the longest context per
+    sequence and the total tokens that fit at this batch size. ``tensor_parallel_size``: each GPU holds
+    its share of the KV heads (``kv_heads_per_gpu``); with one rank that is all of them.
     """
     if context < 1:
         raise ValueError(f"--context must be positive, got {context}")
@@ -200,7 +219,8 @@ def memory_report(
         raise ValueError(f"--batch must be positive, got {batch}")
     if gpu_mem_gib is not None and not gpu_mem_gib > 0:
         raise ValueError(f"--gpu-mem-gb must be positive, got {gpu_mem_gib}")
-    shape = kv_shape_from_config(cfg)
+    model_shape = kv_shape_from_config(cfg)
+    shape = replace(model_shape, num_kv_heads=kv_heads_per_gpu(cfg, model_shape.num_kv_heads, tensor_parallel_size))
     d = shape.head_dim
     names = presets if presets is not None else list(KV_FORMATS)
     entries = [("bf16", "baseline", 2 * BF16_BYTES * d), ("fp8", "baseline", 2 * FP8_BYTES * d)]
@@ -230,7 +250,9 @@ def memory_report(
     return {
         "model_type": shape.model_type,
         "num_layers": shape.num_layers,
-        "num_kv_heads": shape.num_kv_heads,
+        "num_kv_heads": model_shape.num_kv_heads,
+        "tensor_parallel_size": tensor_parallel_size,
+        "kv_heads_per_gpu": shape.num_kv_heads,
         "head_dim": d,
         "full_layers": sum(1 for w in windows if w is None),
         "windowed_layers": sum(1 for w in windows if w),
