@@ -24,8 +24,13 @@ def test_presets_table_text(capsys):
     assert code == 0
     lines = out.splitlines()
     assert "head_dim=128" in lines[0] and "bf16 = 512" in lines[0] and "fp8 = 256" in lines[0]
-    body = {line.split()[0]: line.split() for line in lines[3:]}
+    end = lines.index("")
+    body = {line.split()[0]: line.split() for line in lines[3:end]}
     assert list(body) == list(KV_FORMATS)
+    weights = {line.split()[0]: line.split() for line in lines[end + 4:]}
+    assert list(weights) == ["tq4", "tq3"] and "Weight presets" in lines[end + 1]
+    assert weights["tq4"][-4:] == ["66", "4.125", "0.258", "planar8"]
+    assert weights["tq3"][-4:] == ["50", "3.125", "0.195", "planar8"]
     expected = {"turboquant_k8v4": "194", "turboquant_k3v4_nc": "116", "turboquant_2bit_nc": "68"}
     for name, nbytes in expected.items():
         assert f" {nbytes} " in f" {' '.join(body[name])} "
@@ -42,6 +47,8 @@ def test_presets_json(capsys):
     assert rows["turboquant_3bit_nc"]["vs_fp8"] == pytest.approx(128 / 52)
     assert rows["turboquant_3bit_nc"]["bits_per_coord"] == pytest.approx(52 * 8 / 128)
     assert rows["turboquant_k8v4"]["key"] == "fp8 e4m3 (rotated)"
+    weights = {r["name"]: r for r in data["weight_presets"]}
+    assert weights["tq3"]["bytes_per_group"] == 50 and weights["tq4"]["bits_per_weight"] == 4.125
 
 
 def test_presets_table_function_matches_formats():

@@ -14,7 +14,7 @@ import math
 import sys
 import warnings
 
-from .formats import KV_FORMATS, format_names
+from .formats import KV_FORMATS, WEIGHT_FORMATS, format_names
 from .rotation import SUPPORTED_HEAD_DIMS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -132,11 +132,27 @@ def presets_table(head_dim: int = 128) -> list[dict]:
     return rows
 
 
+def weight_presets_table() -> list[dict]:
+    """One row per weight preset: code, group, exact bytes per group and per parameter."""
+    return [{
+        "name": f.name,
+        "code": f"{f.code.describe()}, rotated",
+        "group_size": f.group_size,
+        "bytes_per_group": f.bytes_per_group(),
+        "bits_per_weight": f.bits_per_weight(),
+        "bytes_per_param": f.bytes_per_param(),
+        "fraction_of_bf16": f.fraction_of_bf16(),
+        "packing": f.packing,
+        "summary": f.summary,
+    } for f in WEIGHT_FORMATS.values()]
+
+
 def cmd_presets(args) -> int:
     rows = presets_table(args.head_dim)
+    weights = weight_presets_table()
     if args.json:
         _print_json({"head_dim": args.head_dim, "bf16_bytes": 4 * args.head_dim, "fp8_bytes": 2 * args.head_dim,
-                     "presets": rows})
+                     "presets": rows, "weight_presets": weights})
         return EXIT_OK
     print(f"KV-cache presets at head_dim={args.head_dim} (bytes per token per KV head, K+V; "
           f"bf16 = {4 * args.head_dim}, fp8 = {2 * args.head_dim})")
@@ -144,6 +160,12 @@ def cmd_presets(args) -> int:
         ("name", "name", ""), ("origin", "origin", ""), ("key", "K", ""), ("value", "V", ""),
         ("bytes_per_token_per_head", "bytes", ""), ("bits_per_coord", "bits/coord", ".2f"),
         ("vs_bf16", "x bf16", ".2f"), ("vs_fp8", "x fp8", ".2f"), ("summary", "summary", ""),
+    ]))
+    print("\nWeight presets (library format and reference codec; not yet a vLLM --quantization method), bytes per "
+          "group of weights along the input dimension, scale included")
+    print(format_table(weights, [
+        ("name", "name", ""), ("code", "code", ""), ("group_size", "group", ""), ("bytes_per_group", "bytes", ""),
+        ("bits_per_weight", "bits/weight", ".3f"), ("fraction_of_bf16", "of bf16", ".3f"), ("packing", "packing", ""),
     ]))
     return EXIT_OK
 

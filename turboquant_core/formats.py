@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The KV-cache format table: one row per preset, frozen and checked at import.
+"""The format tables: one row per KV-cache preset and per weight preset, frozen and checked at import.
 
 In the spirit of ggml's ``type_traits``: every format states its K and V encodings, the norm
 precision, the packing layout and, derived from those, its exact bytes per token per KV head.
@@ -195,6 +195,74 @@ KV_FORMATS: dict[str, KVFormat] = {
 # Names that once existed; they must never be reused with another meaning.
 RETIRED_FORMATS: dict[str, str] = {}
 
+WEIGHT_GROUP_SIZE = 128
+WEIGHT_ROTATION_SEED = 0x7C03
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weight preset (``tq3``, ``tq4``): a linear layer's weight [out, in] cut along the input dimension into
+    groups of ``group_size``, each group stored as one ``CodebookComponent`` vector: its packed Lloyd-Max indices
+    after the rotation seeded by ``seed`` (``packing``, ``code.bits`` bytes per 8 weights) and one fp16
+    norm-corrected scale. ``ops.weight_codec`` holds the reference encoding and the exact storage."""
+
+    name: str
+    code: CodebookComponent
+    summary: str
+    group_size: int = WEIGHT_GROUP_SIZE
+    seed: int = WEIGHT_ROTATION_SEED
+    packing: str = PACKING_LAYOUT
+
+    @property
+    def bits(self) -> int:
+        return int(self.code.bits)
+
+    def bytes_per_group(self) -> int:
+        return self.code.bytes_per_vector(self.group_size)
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight, the group's scale included."""
+        return 8.0 * self.bytes_per_group() / self.group_size
+
+    def bytes_per_param(self) -> float:
+        return self.bytes_per_group() / self.group_size
+
+    def fraction_of_bf16(self) -> float:
+        return self.bytes_per_param() / BF16_BYTES
+
+    def weight_bytes(self, out_features: int, in_features: int) -> int:
+        """Exact bytes of an [out_features, in_features] weight."""
+        self.check_in_features(in_features)
+        return out_features * (in_features // self.group_size) * self.bytes_per_group()
+
+    def check_in_features(self, in_features: int) -> None:
+        if in_features <= 0 or in_features % self.group_size:
+            raise ValueError(f"{self.name}: input dimension {in_features} is not a positive multiple of the group "
+                             f"size {self.group_size}")
+
+    def quantizer(self) -> MSEQuantizer:
+        """The reference quantizer of one group."""
+        return self.code.quantizer(self.group_size, self.seed)
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("tq4", _CB(4), "4-bit Lloyd-Max codebook per rotated group of 128, fp16 scale"),
+        WeightFormat("tq3", _CB(3), "3-bit Lloyd-Max codebook per rotated group of 128, fp16 scale"),
+    )
+}
+
+
+def get_weight_format(name: str) -> WeightFormat:
+    """The weight preset called ``name``; an unknown name raises with the list of valid ones."""
+    try:
+        return WEIGHT_FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown TurboQuant weight format {name!r}; valid formats: {', '.join(WEIGHT_FORMATS)}"
+        ) from None
+
 
 def format_names() -> tuple[str, ...]:
     return tuple(KV_FORMATS)
@@ -218,6 +286,9 @@ def _check_table() -> None:
         for d in SUPPORTED_HEAD_DIMS:
             n = f.bytes_per_token_per_head(d)
             assert 0 < n < 2 * BF16_BYTES * d, (f.name, d, n)
+    for w in WEIGHT_FORMATS.values():
+        assert w.name not in KV_FORMATS and w.code.bits in (2, 3, 4), w.name
+        assert w.bytes_per_group() * 8 == w.group_size * w.bits + 8 * NORM_BYTES, w.name
 
 
 _check_table()
