@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``tq`` command: presets, validate, bench, memory, eval-ppl, convert-gguf.
+"""The ``tq`` command: presets, validate, bench, memory, eval-ppl, convert-gguf, quantize.
 
 Every subcommand prints a table, or JSON with ``--json``. Bad arguments exit with status 2 and
 a message naming the valid choices. Heavy imports (Triton kernels, transformers) happen inside
@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("eval-ppl", help="perplexity with each KV format (tq eval-ppl --help)", add_help=False)
     sub.add_parser("convert-gguf", help="GGUF model -> Hugging Face folder with a correct tokenizer "
                    "(tq convert-gguf --help)", add_help=False)
+    sub.add_parser("quantize", help="Hugging Face checkpoint -> its linear weights in tq3 / tq4 "
+                   "(tq quantize --help)", add_help=False)
     return parser
 
 
@@ -358,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval-ppl":
         return run_eval_ppl_command(argv[1:])
-    if argv and argv[0] == "convert-gguf":
-        from .integrations.gguf_convert import main as convert_main
-
+    if argv and argv[0] in ("convert-gguf", "quantize"):
+        if argv[0] == "convert-gguf":
+            from .integrations.gguf_convert import main as command_main
+        else:
+            from .integrations.quantize_checkpoint import main as command_main
         try:
-            return convert_main(argv[1:])
+            return command_main(argv[1:])
         except SystemExit as e:
             return _exit_code(e)
     parser = build_parser()
