@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launcher of
+``kernels.linear_jit.tq_linear_kernel``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
+
+The activation is rotated once per group (the weight never is), permuted to the kernels' coordinate order and
+given to the kernel in fp16 after a power-of-two scale per row, so that rows beyond fp16's range (bf16
+activations with outliers) neither overflow nor lose relative precision; the scale is exact to undo.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from ..codebooks import codebook_tensors
+from ..rotation import rotate
+from .rotation_tables import codec_tables, kernel_coordinate_order
+from .weight_codec import TQWeight
+
+BLOCK_O = 64  # output rows per program
+BLOCK_B = 16  # activation rows per program (tensor-core M)
+FP16_HEADROOM = 2.0 ** 12  # largest |value| fed to the kernel: a group's 128 products stay far below fp16's max
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_order(bits: int, seed: int, device: str) -> torch.Tensor:
+    return kernel_coordinate_order(codec_tables(128, bits, seed, "cpu")).to(device)
+
+
+def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (fp16 [rows, in]: each group rotated, in kernel order, times 2 ** -e per row; fp32 [rows]
+    the 2 ** e to multiply the product by)."""
+    fmt = w.fmt
+    groups = w.in_features // fmt.group_size
+    xr = rotate(x.float().reshape(x.shape[0], groups, fmt.group_size), fmt.seed)
+    xr = xr[..., _kernel_order(fmt.bits, fmt.seed, str(x.device))].reshape(x.shape[0], w.in_features)
+    amax = xr.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_HEADROOM)))
+    return (xr / scale[:, None]).to(torch.float16), scale
+
+
+def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> x W_hat^T (+ bias) [..., out] in x's dtype (see the module docstring)."""
+    from ..kernels.linear_jit import tq_linear_kernel
+
+    w.check()
+    fmt = w.fmt
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"{fmt.name}: activation has {x.shape[-1]} features, the weight {w.in_features}")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    xk, scale = rotated_activation(x.reshape(rows, w.in_features), w)
+    y = torch.empty(rows, w.out_features, dtype=torch.float32, device=x.device)
+    table = codebook_tensors(fmt.bits, fmt.group_size, x.device)[0].float().contiguous()
+    grid = (triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, BLOCK_B))
+    tq_linear_kernel[grid](xk, w.packed, w.scales, table, y, rows, w.out_features, w.in_features // fmt.group_size,
+                           xk.stride(0), y.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O, BLOCK_B=BLOCK_B)
+    y *= scale[:, None]
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).reshape(*lead, w.out_features)
