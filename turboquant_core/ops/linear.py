@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ..codebooks import codebook_tensors
+from ..formats import get_weight_format
 from ..rotation import rotate
 from .rotation_tables import codec_tables, kernel_coordinate_order
 from .weight_codec import TQWeight
@@ -40,6 +41,17 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torc
     amax = xr.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_HEADROOM)))
     return (xr / scale[:, None]).to(torch.float16), scale
+
+
+@torch.library.custom_op("turboquant::tq_linear", mutates_args=())
+def tq_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``tq_linear`` without bias as one opaque op (torch.compile and CUDA graphs see a single call)."""
+    return tq_linear(x, TQWeight(fmt, packed, scales, scales.shape[1] * get_weight_format(fmt).group_size))
+
+
+@tq_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``--quantization tq3|tq4``: TurboQuant weights for vLLM's linear layers, encoded at load from a full-precision
+checkpoint (vLLM patch 0010 registers the names).
+
+Each linear layer (``LinearBase``: the attention and MLP projections) loads its full-precision weight as vLLM's
+unquantized method would; once the layer's weights are loaded, ``process_weights_after_loading`` encodes it in
+the format (``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16
+scale) and frees the full-precision copy, so at most one layer exists twice at a time. The forward pass is one
+``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are; a layer whose
+input slice is not a multiple of 128 stays in full precision and is logged. MoE experts (``FusedMoE``) are not
+covered yet and stay in full precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..formats import WeightFormat, get_weight_format
+from ..ops.linear import tq_linear_op
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+class TQWeightConfig(QuantizationConfig):
+    """The base of ``TQ3Config`` and ``TQ4Config`` (one format each)."""
+
+    format_name: ClassVar[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fmt: WeightFormat = get_weight_format(self.format_name)
+
+    def get_name(self) -> str:
+        return self.format_name
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # encoded at load: nothing to read from the checkpoint
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TQWeightConfig:
+        method = config.get("quant_method", "?")
+        raise ValueError(f"--quantization {cls.format_name} encodes a full-precision checkpoint at load, but this "
+                         f"checkpoint is already quantized ({method}); serve it without --quantization, or start "
+                         "from its full-precision weights")
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            return TQLinearMethod(self.fmt, prefix)
+        return None
+
+
+class TQ4Config(TQWeightConfig):
+    format_name = "tq4"
+
+
+class TQ3Config(TQWeightConfig):
+    format_name = "tq3"
+
+
+class TQLinearMethod(LinearMethodBase):
+    """A linear layer whose weight is encoded in ``fmt`` once loaded (see the module docstring)."""
+
+    def __init__(self, fmt: WeightFormat, prefix: str = ""):
+        self.fmt, self.prefix = fmt, prefix
+        self.unquantized = UnquantizedLinearMethod()
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        # The full-precision weight loads exactly as with the unquantized method (same loaders, same sharding).
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1, output_dim=0, weight_loader=weight_loader)
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.tq_encoded = False
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from ..ops.weight_codec import quantize_weight
+
+        w = layer.weight.data
+        if w.shape[1] % self.fmt.group_size:
+            logger.info("TurboQuant %s: %s stays in full precision (input slice %d is not a multiple of %d)",
+                        self.fmt.name, self.prefix or type(layer).__name__, w.shape[1], self.fmt.group_size)
+            self.unquantized.process_weights_after_loading(layer)
+            return
+        q = quantize_weight(w, self.fmt)
+        # The packed indices take the weight's place; the full-precision tensor is freed here.
+        layer.weight = torch.nn.Parameter(q.packed, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
+        layer.tq_encoded = True
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not layer.tq_encoded:
+            return self.unquantized.apply(layer, x, bias)
+        y = tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name)
+        return y if bias is None else y + bias
