@@ -94,3 +94,21 @@ def test_kernel_compiles_for_sm90_without_spills():
     res = [line.split() for line in p.stdout.strip().splitlines()]
     assert [r[0] for r in res] == ["tq_linear_kernel", "tq_linear_kernel"], res
     assert all(int(stack) == 0 for _, stack, _ in res), res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+def test_cuda_graph_replay_equals_eager(fmt):
+    """Captured once (after a first call made the tables), replayed on new activations: what vLLM's graphs do."""
+    weight, x = _case(96, 512, 8, 5, "cuda", torch.bfloat16)
+    w = quantize_weight(weight, fmt)
+    tq_linear(x, w)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = tq_linear(static_x, w)
+    for seed in (6, 7):
+        new = torch.randn(8, 512, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+        static_x.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(static_y, tq_linear(new, w), rtol=0, atol=0)

@@ -17,7 +17,7 @@ import triton
 
 from ..codebooks import codebook_tensors
 from ..formats import get_weight_format
-from ..rotation import rotate
+from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
 from .weight_codec import TQWeight
 
@@ -27,8 +27,14 @@ FP16_HEADROOM = 2.0 ** 12  # largest |value| fed to the kernel: a group's 128 pr
 
 
 @functools.lru_cache(maxsize=16)
-def _kernel_order(bits: int, seed: int, device: str) -> torch.Tensor:
-    return kernel_coordinate_order(codec_tables(128, bits, seed, "cpu")).to(device)
+def _tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the rotation's signs, the kernel order of a group's coordinates, the codebook) on ``device``, made once:
+    later calls (CUDA-graph capture included) copy nothing from the host."""
+    fmt = get_weight_format(fmt_name)
+    signs = hadamard_signs(fmt.group_size, fmt.seed).to(device)
+    order = kernel_coordinate_order(codec_tables(fmt.group_size, fmt.bits, fmt.seed, "cpu")).to(device)
+    table = codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float().to(device)
+    return signs, order, table
 
 
 def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +42,10 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torc
     the 2 ** e to multiply the product by)."""
     fmt = w.fmt
     groups = w.in_features // fmt.group_size
-    xr = rotate(x.float().reshape(x.shape[0], groups, fmt.group_size), fmt.seed)
-    xr = xr[..., _kernel_order(fmt.bits, fmt.seed, str(x.device))].reshape(x.shape[0], w.in_features)
+    signs, order, _ = _tables(fmt.name, str(x.device))
+    # R x = H (D x) / sqrt(128) (rotation.rotate, with the signs D kept on the device)
+    xr = fwht(x.float().reshape(x.shape[0], groups, fmt.group_size) * signs) / math.sqrt(fmt.group_size)
+    xr = xr[..., order].reshape(x.shape[0], w.in_features)
     amax = xr.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_HEADROOM)))
     return (xr / scale[:, None]).to(torch.float16), scale
@@ -66,7 +74,7 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
     rows = math.prod(lead)
     xk, scale = rotated_activation(x.reshape(rows, w.in_features), w)
     y = torch.empty(rows, w.out_features, dtype=torch.float32, device=x.device)
-    table = codebook_tensors(fmt.bits, fmt.group_size, x.device)[0].float().contiguous()
+    table = _tables(fmt.name, str(x.device))[2]
     grid = (triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, BLOCK_B))
     tq_linear_kernel[grid](xk, w.packed, w.scales, table, y, rows, w.out_features, w.in_features // fmt.group_size,
                            xk.stride(0), y.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O, BLOCK_B=BLOCK_B)
