@@ -93,3 +93,81 @@ def test_names_in_the_engine_arguments_and_checkpoints_already_quantized(vllm_li
         get_config("tq5")
     with pytest.raises(ValueError, match="already quantized \\(turboquant\\)"):
         get_config("tq4").from_config({"quant_method": "turboquant"})
+
+
+def _checkpoint_config(vllm_linear, **changes):
+    _, _, get_config, _, _ = vllm_linear
+    from turboquant_core.formats import get_weight_format
+
+    fmt = get_weight_format("tq4")
+    config = {"quant_method": "turboquant", "format": "tq4", "bits": 4, "group_size": 128,
+              "rotation_seed": fmt.seed, "packing": "planar8", "version": 1, "modules_not_converted": []}
+    return get_config("turboquant").from_config({**config, **changes})
+
+
+def test_checkpoint_layers_load_the_stored_bytes_shard_by_shard(vllm_linear):
+    """What ``tq quantize`` writes per projection (q, k, v apart) loads into vLLM's fused QKV layer through its own
+    loaders, and the row-parallel layer takes its groups: the products equal the reference's."""
+    linear = vllm_linear[0]
+    config = _checkpoint_config(vllm_linear)
+    g = torch.Generator().manual_seed(1)
+    qkv = linear.QKVParallelLinear(256, 64, 4, 2, bias=False, params_dtype=torch.bfloat16, quant_config=config,
+                                   prefix="model.layers.0.self_attn.qkv_proj")
+    weights = {s: torch.randn(n * 64, 256, generator=g) * 0.05 for s, n in (("q", 4), ("k", 2), ("v", 2))}
+    for shard, weight in weights.items():
+        q = quantize_weight(weight, "tq4")
+        qkv.weight_packed.weight_loader(qkv.weight_packed, q.packed, shard)
+        qkv.weight_scale.weight_loader(qkv.weight_scale, q.scales, shard)
+    whole = quantize_weight(torch.cat(list(weights.values())), "tq4")
+    assert torch.equal(qkv.weight_packed.data, whole.packed) and torch.equal(qkv.weight_scale.data, whole.scales)
+    x = torch.randn(4, 256, generator=g)
+    want = tq_linear_reference(x, whole)
+    torch.testing.assert_close(qkv(x.bfloat16())[0].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+    row = linear.RowParallelLinear(384, 64, bias=False, params_dtype=torch.bfloat16, quant_config=config,
+                                   prefix="model.layers.0.mlp.down_proj")
+    q = quantize_weight(torch.randn(64, 384, generator=g) * 0.05, "tq4")
+    row.weight_packed.weight_loader(row.weight_packed, q.packed)
+    row.weight_scale.weight_loader(row.weight_scale, q.scales)
+    x = torch.randn(2, 384, generator=g)
+    want = tq_linear_reference(x, q)
+    torch.testing.assert_close(row(x.bfloat16())[0].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_checkpoint_configs_that_disagree_or_split_a_fused_layer_are_refused(vllm_linear):
+    linear = vllm_linear[0]
+    with pytest.raises(ValueError, match=r"disagrees with format tq4: group_size 64 \(the format's: 128\)"):
+        _checkpoint_config(vllm_linear, group_size=64)
+    with pytest.raises(ValueError, match="unknown weight format 'tq5'; valid formats: tq4, tq3"):
+        _checkpoint_config(vllm_linear, format="tq5")
+    with pytest.raises(ValueError, match="version 2 is not one this code reads"):
+        _checkpoint_config(vllm_linear, version=2)
+    mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    some = _checkpoint_config(vllm_linear, modules_not_converted=["model.layers.0.self_attn.v_proj"])
+    some.packed_modules_mapping = mapping
+    with pytest.raises(ValueError, match="qkv_proj fuses .* of which only some are quantized"):
+        linear.QKVParallelLinear(256, 64, 4, 2, quant_config=some, prefix="model.layers.0.self_attn.qkv_proj")
+    kept = _checkpoint_config(vllm_linear, modules_not_converted=[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
+    kept.packed_modules_mapping = mapping
+    layer = linear.QKVParallelLinear(256, 64, 4, 2, params_dtype=torch.float32, quant_config=kept,
+                                     prefix="model.layers.0.self_attn.qkv_proj")
+    assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_packed")
+
+
+def test_a_tq_quantize_checkpoint_config_is_read(vllm_linear, tmp_path):
+    """The quantization_config ``tq quantize`` writes is the one the checkpoint config reads."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from turboquant_core.integrations.quantize_checkpoint import quantize_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.randn(64, 256)}, str(src / "model.safetensors"))
+    quantize_checkpoint(src, tmp_path / "out", "tq3", progress=False)
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    _, _, get_config, _, _ = vllm_linear
+    config = get_config(q["quant_method"]).from_config(q)
+    assert config.get_name() == "turboquant" and config.fmt.name == "tq3"

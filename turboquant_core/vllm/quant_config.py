@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``--quantization tq3|tq4``: TurboQuant weights for vLLM's linear layers, encoded at load from a full-precision
-checkpoint (vLLM patch 0010 registers the names).
+"""TurboQuant weights for vLLM's linear layers (vLLM patch 0010 registers the names): ``--quantization tq3|tq4``
+encodes a full-precision checkpoint at load; a checkpoint written by ``tq quantize`` (``quant_method``
+"turboquant" in its config.json) loads as it is stored.
 
 Each linear layer (``LinearBase``: the attention and MLP projections) loads its full-precision weight as vLLM's
 unquantized method would; once the layer's weights are loaded, ``process_weights_after_loading`` encodes it in
@@ -9,6 +10,12 @@ scale) and frees the full-precision copy, so at most one layer exists twice at a
 ``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are; a layer whose
 input slice is not a multiple of 128 stays in full precision and is logged. MoE experts (``FusedMoE``) are not
 covered yet and stay in full precision.
+
+``TQCheckpointConfig`` reads the checkpoint's ``quantization_config`` (checked against the format table: a
+checkpoint that disagrees with its format, or a version this code does not know, is refused) and gives every
+converted linear layer ``weight_packed`` and ``weight_scale`` parameters that vLLM's loaders shard like any group-
+quantized weight (output rows for column-parallel layers and fused q/k/v or gate/up shards, groups of the input
+for row-parallel ones).
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from ..formats import WeightFormat, get_weight_format
+from ..formats import WEIGHT_FORMATS, WeightFormat, get_weight_format
 from ..ops.linear import tq_linear_op
 
 logger = init_logger(f"vllm.{__name__}")
@@ -109,4 +116,88 @@ class TQLinearMethod(LinearMethodBase):
         if not layer.tq_encoded:
             return self.unquantized.apply(layer, x, bias)
         y = tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name)
+        return y if bias is None else y + bias
+
+
+CHECKPOINT_METHOD = "turboquant"
+CHECKPOINT_VERSIONS = (1,)
+
+
+class TQCheckpointConfig(QuantizationConfig):
+    """A checkpoint written by ``tq quantize`` (``turboquant_core.integrations.quantize_checkpoint``)."""
+
+    def __init__(self, fmt: WeightFormat, not_converted: list[str]) -> None:
+        super().__init__()
+        self.fmt, self.not_converted = fmt, set(not_converted)
+
+    def get_name(self) -> str:
+        return CHECKPOINT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TQCheckpointConfig:
+        name = config.get("format")
+        if name not in WEIGHT_FORMATS:
+            raise ValueError(f"TurboQuant checkpoint: unknown weight format {name!r}; valid formats: "
+                             f"{', '.join(WEIGHT_FORMATS)}")
+        if config.get("version") not in CHECKPOINT_VERSIONS:
+            raise ValueError(f"TurboQuant checkpoint: version {config.get('version')!r} is not one this code reads "
+                             f"({', '.join(map(str, CHECKPOINT_VERSIONS))})")
+        fmt = get_weight_format(name)
+        want = {"bits": fmt.bits, "group_size": fmt.group_size, "rotation_seed": fmt.seed, "packing": fmt.packing}
+        wrong = [f"{k} {config.get(k)!r} (the format's: {v!r})" for k, v in want.items() if config.get(k) != v]
+        if wrong:
+            raise ValueError(f"TurboQuant checkpoint: its config disagrees with format {name}: {', '.join(wrong)}")
+        return cls(fmt, list(config.get("modules_not_converted", [])))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        parent, _, last = prefix.rpartition(".")
+        shards = [f"{parent}.{s}" if parent else s for s in self.packed_modules_mapping.get(last, [last])]
+        kept = [s in self.not_converted for s in shards]
+        if all(kept):
+            return UnquantizedLinearMethod()
+        if any(kept):
+            raise ValueError(f"TurboQuant checkpoint: {prefix} fuses {', '.join(shards)}, of which only some are "
+                             "quantized; quantize them alike (tq quantize --keep all or none of them)")
+        return TQPackedLinearMethod(self.fmt, prefix)
+
+
+class TQPackedLinearMethod(LinearMethodBase):
+    """A linear layer stored in ``fmt`` in the checkpoint: ``weight_packed`` and ``weight_scale`` as written."""
+
+    def __init__(self, fmt: WeightFormat, prefix: str = ""):
+        self.fmt, self.prefix = fmt, prefix
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        gs = self.fmt.group_size
+        if input_size_per_partition % gs:
+            raise ValueError(f"TurboQuant checkpoint: {self.prefix} has {input_size_per_partition} inputs per "
+                             f"tensor-parallel rank, not a multiple of the group size {gs}; use fewer ranks")
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        rows, groups = sum(output_partition_sizes), input_size_per_partition // gs
+        packed = ModelWeightParameter(
+            data=torch.empty(rows, groups, gs * self.fmt.bits // 8, dtype=torch.uint8),
+            input_dim=1, output_dim=0, weight_loader=weight_loader)
+        scale = GroupQuantScaleParameter(
+            data=torch.empty(rows, groups, dtype=torch.float16), input_dim=1, output_dim=0, weight_loader=weight_loader)
+        layer.register_parameter("weight_packed", packed)
+        layer.register_parameter("weight_scale", scale)
+        set_weight_attrs(packed, extra_weight_attrs)
+        set_weight_attrs(scale, extra_weight_attrs)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name)
         return y if bias is None else y + bias
