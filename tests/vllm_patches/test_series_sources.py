@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERIES_DIR = REPO / "vllm_patches" / "v0.26.0"
 GLUE = REPO / "turboquant_core" / "vllm"
 
-FROM_IMPORT = re.compile(r"from turboquant_core\.vllm\.(\w+) import ([\w, ()]+)")
+FROM_IMPORT = re.compile(r"from turboquant_core\.vllm\.(\w+) import (\([^)]*\)|[\w, ]+)")
 DOTTED = re.compile(r"[\"']turboquant_core\.vllm\.(\w+)\.(\w+)[\"']")
 
 
@@ -30,11 +30,14 @@ def added_lines() -> list[tuple[str, str]]:
 
 def references() -> list[tuple[str, str, str]]:
     """(patch, module, name) for every turboquant_core.vllm name the series imports or names as a path."""
-    refs = []
+    refs, added = [], {}
     for patch, line in added_lines():
-        for module, names in FROM_IMPORT.findall(line):
+        added.setdefault(patch, []).append(line)
+    for patch, lines in added.items():
+        text = "\n".join(lines)  # a parenthesized import spans lines
+        for module, names in FROM_IMPORT.findall(text):
             refs += [(patch, module, n.strip()) for n in names.strip("()").split(",") if n.strip()]
-        refs += [(patch, module, name) for module, name in DOTTED.findall(line)]
+        refs += [(patch, module, name) for module, name in DOTTED.findall(text)]
     return sorted(set(refs))
 
 
