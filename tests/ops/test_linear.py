@@ -2,12 +2,12 @@
 """The TurboQuant linear kernel (turboquant_core/kernels/linear_jit.py via ops.linear.tq_linear) against the
 plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference): both formats, 1 to 40 activation rows
 (one and several batch tiles), output sizes that do not fill a block, bias, bf16 activations with outliers beyond
-fp16's range. In Triton's interpreter on the CPU, compiled on a GPU."""
+fp16's range, a product split over ranges of groups. In Triton's interpreter on the CPU, compiled on a GPU."""
 
 import pytest
 import torch
 
-from turboquant_core.ops.linear import rotated_activation, tq_linear
+from turboquant_core.ops.linear import num_group_splits, rotated_activation, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight, tq_linear_reference
 
 
@@ -19,7 +19,7 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
-@pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17)])
+@pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2)])
 def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, device):
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)
@@ -29,6 +29,12 @@ def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, device):
     assert got.shape == (rows, out) and got.dtype == x.dtype
     # fp16 operands (activation rounded once), fp32 accumulation
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
+def test_few_output_tiles_split_the_groups():
+    """One output tile and one batch tile over 9 groups: two ranges of groups (5 and 4), summed after."""
+    assert num_group_splits(1, 9, "cpu") == 2 and num_group_splits(1, 7, "cpu") == 1
+    assert num_group_splits(10 ** 4, 64, "cpu") == 1  # enough tiles: no split
 
 
 def test_leading_dims_bf16_and_outliers_beyond_fp16(device):

@@ -4,9 +4,10 @@
 y[b, o] = sum_g s[o, g] * < xr[b, g], c[idx[o, g]] >, xr the activation rotated per group of 128 and permuted
 to the kernel order of ``codebook_lookup_jit`` (position 8 q + r of a group holds coordinate bitrev3(r) * 16 + q),
 the order its lookups build the weight's codebook values in. One program: BLOCK_O output rows x BLOCK_B
-activation rows; per group it decodes the [BLOCK_O, 128] fp16 weight tile in registers, takes one tensor-core
-product with the [BLOCK_B, 128] activation tile and adds it, scaled by the rows' group scales, to fp32
-accumulators. The weight is read once per batch tile; nothing is decoded to memory.
+activation rows x a range of groups (split-K, so that few output tiles still spread over every SM); per group it
+decodes the [BLOCK_O, 128] fp16 weight tile in registers, takes one tensor-core product with the [BLOCK_B, 128]
+activation tile and adds it, scaled by the rows' group scales, to fp32 accumulators. The weight is read once per
+batch tile; nothing is decoded to memory.
 """
 
 import triton
@@ -30,12 +31,16 @@ def _add_group(acc, gi, X, W, S, TABLE, cb, w_row, x_row, row_mask, b_mask, d, g
 
 
 @triton.jit
-def tq_linear_kernel(X, W, S, TABLE, Y, num_rows, out_features, groups, stride_x, stride_y,
-                     BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_B: tl.constexpr):
+def tq_linear_kernel(X, W, S, TABLE, Y, num_rows, out_features, groups, groups_per_split, stride_x, stride_y,
+                     stride_split, BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_B: tl.constexpr):
     """X fp16 [num_rows, groups * 128] (rotated, kernel order); W uint8 [out, groups, 16 * BITS] (planar8 per
-    group); S fp16 [out, groups]; TABLE the codebook (2 ** BITS fp32); Y fp32 [num_rows, out]."""
+    group); S fp16 [out, groups]; TABLE the codebook (2 ** BITS fp32); Y fp32 [splits, num_rows, out]: program
+    (o, b, k) sums groups k * groups_per_split onwards (at most groups_per_split of them) into Y[k]."""
     pid_o = tl.program_id(0)
     pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    g0 = pid_k * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, groups)
     rows = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     row_mask = rows < out_features
     bs = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -48,14 +53,14 @@ def tq_linear_kernel(X, W, S, TABLE, Y, num_rows, out_features, groups, stride_x
     acc = tl.zeros((BLOCK_B, BLOCK_O), tl.float32)
     if INTERPRETING:
         # The interpreter cannot take run-time bounds in range() (its scalars are 1-element arrays).
-        gi = 0
-        while gi < groups:
+        gi = g0
+        while gi < g1:
             acc = _add_group(acc, gi, X, W, S, TABLE, cb, w_row, x_row, row_mask, b_mask, d, group_bytes, BITS,
                              BLOCK_O)
             gi += 1
     else:
-        for gi in range(groups):
+        for gi in range(g0, g1):
             acc = _add_group(acc, gi, X, W, S, TABLE, cb, w_row, x_row, row_mask, b_mask, d, group_bytes, BITS,
                              BLOCK_O)
-    y = Y + bs.to(tl.int64)[:, None] * stride_y + rows[None, :]
+    y = Y + pid_k.to(tl.int64) * stride_split + bs.to(tl.int64)[:, None] * stride_y + rows[None, :]
     tl.store(y, acc, mask=b_mask[:, None] & row_mask[None, :])

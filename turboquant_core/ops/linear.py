@@ -23,6 +23,8 @@ from .weight_codec import TQWeight
 
 BLOCK_O = 64  # output rows per program
 BLOCK_B = 16  # activation rows per program (tensor-core M)
+PROGRAMS_PER_SM = 4  # split-K target when the output tiles are few
+MIN_GROUPS_PER_SPLIT = 4  # 512 inputs per program at least: each split reads enough to pay for its partial sums
 FP16_HEADROOM = 2.0 ** 12  # largest |value| fed to the kernel: a group's 128 products stay far below fp16's max
 
 
@@ -35,6 +37,16 @@ def _tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, tor
     order = kernel_coordinate_order(codec_tables(fmt.group_size, fmt.bits, fmt.seed, "cpu")).to(device)
     table = codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float().to(device)
     return signs, order, table
+
+
+def num_group_splits(tiles: int, groups: int, device) -> int:
+    """Ranges of groups the product is split into: enough programs for PROGRAMS_PER_SM on every SM when the
+    output and batch tiles alone are fewer (a small batch over a layer of a few thousand outputs), each range
+    MIN_GROUPS_PER_SPLIT groups at least; the partial sums are added in a fixed order (no atomics)."""
+    from .paged_attention import _sm_count
+
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(str(device)), tiles)
+    return max(1, min(want, groups // MIN_GROUPS_PER_SPLIT))
 
 
 def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +85,17 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
     lead = x.shape[:-1]
     rows = math.prod(lead)
     xk, scale = rotated_activation(x.reshape(rows, w.in_features), w)
-    y = torch.empty(rows, w.out_features, dtype=torch.float32, device=x.device)
+    groups = w.in_features // fmt.group_size
+    tiles = triton.cdiv(w.out_features, BLOCK_O) * triton.cdiv(rows, BLOCK_B)
+    per_split = triton.cdiv(groups, num_group_splits(tiles, groups, x.device))
+    splits = triton.cdiv(groups, per_split)
+    part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
     table = _tables(fmt.name, str(x.device))[2]
-    grid = (triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, BLOCK_B))
-    tq_linear_kernel[grid](xk, w.packed, w.scales, table, y, rows, w.out_features, w.in_features // fmt.group_size,
-                           xk.stride(0), y.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O, BLOCK_B=BLOCK_B)
+    grid = (triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, BLOCK_B), splits)
+    tq_linear_kernel[grid](xk, w.packed, w.scales, table, part, rows, w.out_features, groups, per_split,
+                           xk.stride(0), part.stride(1), part.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O,
+                           BLOCK_B=BLOCK_B)
+    y = part[0] if splits == 1 else part.sum(0)
     y *= scale[:, None]
     if bias is not None:
         y += bias.float()
