@@ -47,10 +47,18 @@ NAMED_SCENARIOS = {
     "S2": "2048x512x384",  # memory-bound: run with --max-num-seqs 512
     "S3": "32768x128x8",
     "sweep": "2048x512x32,2048x512x64,2048x512x128,2048x512x256,2048x512x384,2048x512x512",
+    "W": "256x256x1,256x256x8,256x256x64",  # the weights suite: decode-bound batches
 }
 # Baselines by name; TurboQuant configs are named ours-<preset> / stock-<preset> (see config_names()).
 BASELINE_CONFIGS = {"bf16": ("patched", "auto"), "fp8": ("patched", "fp8")}
 DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
+# The weights suite (--suite weights): NAME -> (install, KV-cache dtype, --quantization). awq-marlin is W4A16 with
+# group 128 from a dummy AWQ config (AWQ_DUMMY_CONFIG), served by vLLM's Marlin kernel.
+WEIGHT_CONFIGS = {"bf16": ("patched", "auto", None), "fp8": ("patched", "auto", "fp8"),
+                  "awq-marlin": ("patched", "auto", "awq_marlin"), "tq4": ("patched", "auto", "tq4"),
+                  "tq3": ("patched", "auto", "tq3"), "tq4+k3v4": ("patched", "turboquant_k3v4_nc", "tq4")}
+DEFAULT_WEIGHT_CONFIGS = ",".join(WEIGHT_CONFIGS)
+AWQ_DUMMY_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
 def parse_scenarios(text: str) -> list[tuple[int, int, int]]:
@@ -105,6 +113,26 @@ def parse_configs(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def parse_weight_configs(text: str) -> list[tuple[str, str, str, str | None]]:
+    """--suite weights: names of WEIGHT_CONFIGS, or NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION."""
+    out = []
+    for item in text.split(","):
+        name, eq, rest = item.strip().partition("=")
+        if not eq:
+            if name not in WEIGHT_CONFIGS:
+                names = ", ".join(WEIGHT_CONFIGS)
+                raise SystemExit(f"unknown weights config {name!r}; expected "
+                                 f"NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION or one of {names}")
+            out.append((name, *WEIGHT_CONFIGS[name]))
+            continue
+        install, _, tail = rest.partition(":")
+        dtype, _, quant = tail.partition(":")
+        if not (name and install in ("stock", "patched") and dtype):
+            raise SystemExit(f"bad config {item!r}; expected NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION")
+        out.append((name, install, dtype, quant or None))
+    return out
+
+
 def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]]) -> dict:
     """vllm.LLM arguments for one config serving ``scenarios`` (scripts/profile_decode.py builds its engine with
     these too). ``args`` needs model, kv_cache_dtype, max_num_seqs (0: the largest batch), gpu_memory_utilization,
@@ -116,6 +144,11 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
         enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    quantization = getattr(args, "quantization", None)
+    if quantization:
+        kwargs["quantization"] = quantization
+        if quantization == "awq_marlin":  # dummy weights in AWQ's layout: the checkpoint config says what they are
+            kwargs["hf_overrides"] = {"quantization_config": dict(AWQ_DUMMY_CONFIG)}
     if args.cudagraph_sizes:
         # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(v) for v in args.cudagraph_sizes.split(",")]}
@@ -249,9 +282,10 @@ def worker(args: argparse.Namespace) -> None:
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
 
-def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict:
+def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantization: str | None = None) -> dict:
     env = worker_env(args, install)
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
+           *(["--quantization", quantization] if quantization else []),
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
            "--max-num-seqs", str(args.max_num_seqs)]
@@ -274,9 +308,14 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path) -> dict
         rc = "timeout"
     (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
     row = dict(name=name, install=install, kv_cache_dtype=dtype, wall_s=time.perf_counter() - t, returncode=rc)
+    if quantization:
+        row["quantization"] = quantization
     m = re.search(r"GPU KV cache size: ([\d,]+) tokens", out + err)
     if m:
         row["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+    m = re.search(r"Model loading took ([\d.]+) GiB", out + err)
+    if m:
+        row["weight_gib"] = float(m.group(1))
     res = [ln for ln in out.splitlines() if ln.startswith("TQ_BENCH_RESULT ")]
     if res:
         row.update(json.loads(res[-1].split(" ", 1)[1]))
@@ -313,6 +352,13 @@ def summarize(rows: list[dict], baseline: str) -> str:
                 f"{cap if cap else '-'} | {(cap / bcap) if (cap and bcap) else float('nan'):.2f}x |"
                 if bs else f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/"
                 f"{s['output_len']}/{s['batch']} | {s['output_tok_per_s']:.0f} | - | {cap or '-'} | - |") + stats)
+    weights = [r for r in rows if r.get("weight_gib")]
+    if weights:  # the weights suite: model memory as vLLM reports it after loading
+        bw = base.get("weight_gib") if base else None
+        lines += ["", "| config | --quantization | weights GiB | vs bf16 |", "|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r.get('quantization') or '-'} | {r['weight_gib']:.2f} | "
+                  f"{r['weight_gib'] / bw:.3f} |" if bw else
+                  f"| {r['name']} | {r.get('quantization') or '-'} | {r['weight_gib']:.2f} | - |" for r in weights]
     return "\n".join(lines)
 
 
@@ -393,9 +439,14 @@ def plot_sweep(rows: list[dict], path: Path) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+    ap.add_argument("--suite", choices=("kv", "weights"), default="kv",
+                    help="kv: configs are KV-cache dtypes (names below); weights: configs are weight quantizations "
+                         f"({', '.join(WEIGHT_CONFIGS)}; default all; scenario W=256x256x1,8,64)")
+    ap.add_argument("--configs", default=None,
                     help="comma list of NAME=stock|patched:KV_CACHE_DTYPE or names: bf16, fp8, ours-<preset> "
-                         "(every preset, e.g. ours-k3v4, ours-4bit), stock-<preset> (stock's presets)")
+                         "(every preset, e.g. ours-k3v4, ours-4bit), stock-<preset> (stock's presets); with "
+                         "--suite weights NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION or the names of that suite "
+                         "(default: every config of the suite)")
     ap.add_argument("--scenarios", default="1024x256x64,8192x256x32",
                     help="comma list of INxOUTxBATCH or names: "
                          + ", ".join(f"{k}={v}" for k, v in NAMED_SCENARIOS.items()))
@@ -416,6 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and plot of a results file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
@@ -429,7 +481,10 @@ def main(argv=None) -> int:
         print(summarize(rows, args.baseline))
         return 0
     parse_scenarios(args.scenarios)
-    configs = parse_configs(args.configs)
+    if args.suite == "weights":
+        configs = parse_weight_configs(args.configs or DEFAULT_WEIGHT_CONFIGS)
+    else:
+        configs = [(*c, None) for c in parse_configs(args.configs or DEFAULT_CONFIGS)]
     out = Path(args.out)
     log_dir = out.with_suffix("").with_name(out.stem + "-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -437,11 +492,11 @@ def main(argv=None) -> int:
     if args.resume and out.exists():
         rows = [r for r in json.loads(out.read_text())["results"] if "scenarios" in r]
     done = {r["name"] for r in rows}
-    for name, install, dtype in configs:
+    for name, install, dtype, quantization in configs:
         if name in done:
             print(f"[bench] {name}: kept from {out}", flush=True)
             continue
-        rows.append(run_config(args, name, install, dtype, log_dir))
+        rows.append(run_config(args, name, install, dtype, log_dir, quantization))
         doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    model=args.model, scenarios=args.scenarios, results=rows)
         out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """scripts/bench_throughput.py without a GPU: config and scenario names, the report and the concurrency-sweep plot."""
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -40,6 +41,33 @@ def test_named_configs_come_from_the_format_table(bench):
     assert bench.parse_configs("x=patched:fp8,bf16") == [("x", "patched", "fp8"), ("bf16", "patched", "auto")]
     with pytest.raises(SystemExit, match="unknown config 'stock-k4v3'.*ours-k4v3"):
         bench.parse_configs("stock-k4v3")  # a preset stock vLLM does not have
+
+
+def test_weights_suite_configs_and_engine_arguments(bench):
+    configs = bench.parse_weight_configs(bench.DEFAULT_WEIGHT_CONFIGS)
+    assert [c[0] for c in configs] == ["bf16", "fp8", "awq-marlin", "tq4", "tq3", "tq4+k3v4"]
+    assert configs[-1] == ("tq4+k3v4", "patched", "turboquant_k3v4_nc", "tq4") and configs[0][3] is None
+    assert bench.parse_weight_configs("x=patched:auto:tq3") == [("x", "patched", "auto", "tq3")]
+    with pytest.raises(SystemExit, match="unknown weights config 'ours-k3v4'.*tq4"):
+        bench.parse_weight_configs("ours-k3v4")
+    assert bench.parse_scenarios("W") == [(256, 256, 1), (256, 256, 8), (256, 256, 64)]
+    args = argparse.Namespace(model="m", kv_cache_dtype="auto", max_num_seqs=0, gpu_memory_utilization=0.9,
+                              enforce_eager=False, max_num_batched_tokens=8192, cudagraph_sizes="",
+                              quantization="awq_marlin")
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
+    assert kw["quantization"] == "awq_marlin" and kw["hf_overrides"]["quantization_config"]["group_size"] == 128
+    args.quantization = "tq4"
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
+    assert kw["quantization"] == "tq4" and "hf_overrides" not in kw
+
+
+def test_weights_table_when_rows_carry_model_memory(bench):
+    rows = [dict(name=n, install="patched", kv_cache_dtype="auto", quantization=q, weight_gib=g,
+                 scenarios=[dict(input_len=256, output_len=256, batch=1, output_tok_per_s=t)])
+            for n, q, g, t in (("bf16", None, 15.3, 100.0), ("tq4", "tq4", 4.1, 180.0))]
+    table = bench.summarize(rows, "bf16")
+    assert "| tq4 | tq4 | 4.10 | 0.268 |" in table and "| bf16 | - | 15.30 | 1.000 |" in table
+    assert "| tq4 | patched | auto | 256/256/1 | 180 | 1.80x |" in table
 
 
 def _rows():
