@@ -202,9 +202,10 @@ WEIGHT_ROTATION_SEED = 0x7C03
 @dataclass(frozen=True)
 class WeightFormat:
     """A weight preset (``tq3``, ``tq4``): a linear layer's weight [out, in] cut along the input dimension into
-    groups of ``group_size``, each group stored as one ``CodebookComponent`` vector: its packed Lloyd-Max indices
-    after the rotation seeded by ``seed`` (``packing``, ``code.bits`` bytes per 8 weights) and one fp16
-    norm-corrected scale. ``ops.weight_codec`` holds the reference encoding and the exact storage."""
+    groups of ``group_size`` (the last zero-padded when it does not divide ``in``), each group stored as one
+    ``CodebookComponent`` vector: its packed Lloyd-Max indices after the rotation seeded by ``seed`` (``packing``,
+    ``code.bits`` bytes per 8 weights) and one fp16 norm-corrected scale. ``ops.weight_codec`` holds the reference
+    encoding and the exact storage."""
 
     name: str
     code: CodebookComponent
@@ -230,15 +231,15 @@ class WeightFormat:
     def fraction_of_bf16(self) -> float:
         return self.bytes_per_param() / BF16_BYTES
 
+    def groups(self, in_features: int) -> int:
+        """Groups of an input dimension: the last one zero-padded when ``group_size`` does not divide it."""
+        if in_features <= 0:
+            raise ValueError(f"{self.name}: input dimension must be positive, got {in_features}")
+        return -(-in_features // self.group_size)
+
     def weight_bytes(self, out_features: int, in_features: int) -> int:
         """Exact bytes of an [out_features, in_features] weight."""
-        self.check_in_features(in_features)
-        return out_features * (in_features // self.group_size) * self.bytes_per_group()
-
-    def check_in_features(self, in_features: int) -> None:
-        if in_features <= 0 or in_features % self.group_size:
-            raise ValueError(f"{self.name}: input dimension {in_features} is not a positive multiple of the group "
-                             f"size {self.group_size}")
+        return out_features * self.groups(in_features) * self.bytes_per_group()
 
     def quantizer(self) -> MSEQuantizer:
         """The reference quantizer of one group."""

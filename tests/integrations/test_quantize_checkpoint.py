@@ -82,7 +82,7 @@ def test_projections_become_the_format_bytes_and_the_rest_is_copied(tiny, tmp_pa
     assert (tq_linear_reference(x, w) - ref).norm() / ref.norm() < (0.11 if bits == 4 else 0.2)
 
 
-def test_keep_patterns_and_ungrouped_projections_are_listed(tiny, tmp_path):
+def test_keep_patterns_are_listed(tiny, tmp_path):
     s = quantize_checkpoint(tiny, tmp_path / "out", "tq4", keep=("*.v_proj.weight",), progress=False)
     assert sorted(n for n, _ in s.kept) == ["model.layers.0.self_attn.v_proj.weight",
                                             "model.layers.1.self_attn.v_proj.weight"]

@@ -2,7 +2,8 @@
 """The TurboQuant linear kernel (turboquant_core/kernels/linear_jit.py via ops.linear.tq_linear) against the
 plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference): both formats, 1 to 40 activation rows
 (one and several batch tiles), output sizes that do not fill a block, bias, bf16 activations with outliers beyond
-fp16's range, a product split over ranges of groups. In Triton's interpreter on the CPU, compiled on a GPU."""
+fp16's range, a product split over ranges of groups, an input dimension whose last group is padded. In Triton's
+interpreter on the CPU, compiled on a GPU."""
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
-@pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2)])
+@pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
+                                          (48, 576, 3)])
 def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, device):
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)

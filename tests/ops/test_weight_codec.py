@@ -37,8 +37,9 @@ def test_format_rows():
     assert tq4.weight_bytes(4096, 12288) == 4096 * 96 * 66
     with pytest.raises(ValueError, match="valid formats: tq4, tq3"):
         get_weight_format("tq5")
-    with pytest.raises(ValueError, match="multiple of the group size 128"):
-        tq4.weight_bytes(16, 100)
+    assert tq4.groups(576) == 5 and tq4.weight_bytes(16, 576) == 16 * 5 * 66  # the last group zero-padded
+    with pytest.raises(ValueError, match="input dimension must be positive"):
+        tq4.weight_bytes(16, 0)
     assert all(name not in WEIGHT_FORMATS for name in ("turboquant_k3v4_nc", get_format("turboquant_4bit_nc").name))
 
 
@@ -98,8 +99,6 @@ def test_beats_round_to_nearest_at_the_same_bytes(name, heavy):
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="2-D float weight"):
         quantize_weight(torch.zeros(4, 128, dtype=torch.int32), "tq4")
-    with pytest.raises(ValueError, match="input dimension 100 is not a positive multiple"):
-        quantize_weight(torch.zeros(4, 100), "tq4")
     w = quantize_weight(_weight(), "tq3")
     with pytest.raises(ValueError, match="activation has 383 features"):
         tq_linear_reference(torch.zeros(2, 383), w)
@@ -108,6 +107,25 @@ def test_bad_inputs_are_named():
         bad.check()
     with pytest.raises(ValueError, match=r"scales must be float16"):
         TQWeight("tq3", w.packed, w.scales.float(), 384).check()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_input_dimension_groups_do_not_divide_pads_the_last_group(name):
+    """576 inputs (SmolLM2's hidden size): 4 groups and one of 64 weights + 64 zeros; the padded group is the
+    format's code of the zero-padded vector, the product ignores the padding, the decoded weight has 576 columns."""
+    fmt = get_weight_format(name)
+    w = _weight(out=40, inp=576, seed=3)
+    q = quantize_weight(w, name)
+    assert q.packed.shape == (40, 5, 16 * fmt.bits) and q.nbytes() == fmt.weight_bytes(40, 576)
+    padded = torch.cat([w[7, 512:], torch.zeros(64)])
+    code = fmt.quantizer().quantize(padded)
+    assert torch.equal(unpack_indices(q.packed[7, 4], fmt.bits, 128), code.idx)
+    dq = dequantize_weight(q)
+    assert dq.shape == (40, 576)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9))
+    want = x @ dq.T
+    torch.testing.assert_close(tq_linear_reference(x, q), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (dq - w).norm() / w.norm() < (0.11 if fmt.bits == 4 else 0.2)
 
 
 def test_zero_groups_stay_zero_and_rotated_values_carry_the_scale():

@@ -59,14 +59,14 @@ def test_linear_layers_encode_at_load_and_compute_the_rotated_product(vllm_linea
         bias = torch.randn(out, generator=g) if layer is col else None
         _load(layer, weight, bias)
         q = quantize_weight(weight, name)
-        assert layer.tq_encoded and layer.weight.dtype == torch.uint8
+        assert layer.weight.dtype == torch.uint8
         assert torch.equal(layer.weight, q.packed) and torch.equal(layer.weight_scale, q.scales)
         got = layer(x)[0]
         want = tq_linear_reference(x, q, bias)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
-def test_layers_the_format_does_not_take_stay_as_they_are(vllm_linear):
+def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):
     linear, _, get_config, _, _ = vllm_linear
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -74,11 +74,13 @@ def test_layers_the_format_does_not_take_stay_as_they_are(vllm_linear):
     emb = VocabParallelEmbedding(128, 256, params_dtype=torch.float32, quant_config=config, prefix="embed_tokens")
     head = ParallelLMHead(128, 256, params_dtype=torch.float32, quant_config=config, prefix="lm_head")
     assert emb.weight.dtype == torch.float32 and head.weight.dtype == torch.float32
+    # 200 inputs: one full group and a zero-padded one
     odd = linear.ReplicatedLinear(200, 64, bias=False, params_dtype=torch.float32, quant_config=config, prefix="odd")
-    weight, x = torch.randn(64, 200), torch.randn(3, 200)
+    weight, x = torch.randn(64, 200) * 0.05, torch.randn(3, 200)
     _load(odd, weight)
-    assert not odd.tq_encoded and odd.weight.dtype == torch.float32
-    torch.testing.assert_close(odd(x)[0], x @ weight.T)
+    assert odd.weight.shape == (64, 2, 64) and odd.weight_scale.shape == (64, 2)
+    want = tq_linear_reference(x, quantize_weight(weight, "tq4"))
+    torch.testing.assert_close(odd(x)[0], want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
 def test_names_in_the_engine_arguments_and_checkpoints_already_quantized(vllm_linear):

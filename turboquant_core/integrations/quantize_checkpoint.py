@@ -3,13 +3,12 @@
 weight format (``formats.WEIGHT_FORMATS``), written next to everything else unchanged.
 
 Which tensors: every 2-D floating-point ``*.weight`` of a projection inside the decoder layers (``*_proj.weight``,
-MoE experts' included) whose input dimension is a multiple of the format's group size. Embeddings, the output head,
-norms, biases and anything else are copied as they are; projections that do not divide into groups are kept too
-and listed (``--keep`` adds name patterns to keep).
+MoE experts' included). Embeddings, the output head, norms, biases and anything else are copied as they are;
+``--keep`` adds name patterns to keep (listed in the config).
 
-Each quantized ``NAME.weight`` [out, in] becomes two tensors (``ops.weight_codec.TQWeight``):
-``NAME.weight_packed`` uint8 [out, in / 128, 16 * bits] (each group's Lloyd-Max indices, planar8) and
-``NAME.weight_scale`` float16 [out, in / 128]. ``config.json`` gains::
+Each quantized ``NAME.weight`` [out, in] becomes two tensors (``ops.weight_codec.TQWeight``; G = ceil(in / 128),
+the last group zero-padded): ``NAME.weight_packed`` uint8 [out, G, 16 * bits] (each group's Lloyd-Max indices,
+planar8) and ``NAME.weight_scale`` float16 [out, G]. ``config.json`` gains::
 
     "quantization_config": {"quant_method": "turboquant", "format": "tq4", "bits": 4, "group_size": 128,
                             "rotation_seed": 31747, "packing": "planar8", "version": 1,
@@ -52,7 +51,7 @@ class QuantizeSummary:
     dest: Path
     format: str
     quantized: list[str] = field(default_factory=list)
-    kept: list[tuple[str, str]] = field(default_factory=list)  # (tensor, why) for projections left as they are
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (tensor, why): projections --keep left as they are
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -132,16 +131,12 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
                             seen.add(name)
                             summary.bytes_before += t.numel() * t.element_size()
                             if _is_projection(name, keep) and t.dim() == 2 and t.dtype.is_floating_point:
-                                if t.shape[1] % fmt.group_size:
-                                    summary.kept.append((name, f"input dimension {t.shape[1]} is not a multiple "
-                                                               f"of {fmt.group_size}"))
-                                else:
-                                    q = quantize_weight(t, fmt)
-                                    stem = name.removesuffix(".weight")
-                                    out[f"{stem}.weight_packed"] = q.packed.cpu()
-                                    out[f"{stem}.weight_scale"] = q.scales.cpu()
-                                    summary.quantized.append(name)
-                                    continue
+                                q = quantize_weight(t, fmt)
+                                stem = name.removesuffix(".weight")
+                                out[f"{stem}.weight_packed"] = q.packed.cpu()
+                                out[f"{stem}.weight_scale"] = q.scales.cpu()
+                                summary.quantized.append(name)
+                                continue
                             elif _is_projection(name, ()) and any(fnmatch.fnmatch(name, p) for p in keep):
                                 summary.kept.append((name, "kept by --keep"))
                             out[name] = t.cpu()

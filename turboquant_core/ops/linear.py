@@ -19,7 +19,7 @@ from ..codebooks import codebook_tensors
 from ..formats import get_weight_format
 from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
-from .weight_codec import TQWeight
+from .weight_codec import TQWeight, pad_to_groups
 
 BLOCK_O = 64  # output rows per program
 BLOCK_B = 16  # activation rows per program (tensor-core M)
@@ -50,14 +50,15 @@ def num_group_splits(tiles: int, groups: int, device) -> int:
 
 
 def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (fp16 [rows, in]: each group rotated, in kernel order, times 2 ** -e per row; fp32 [rows]
-    the 2 ** e to multiply the product by)."""
+    """x [rows, in] -> (fp16 [rows, groups * 128]: zero-padded to whole groups, each group rotated, in kernel
+    order, times 2 ** -e per row; fp32 [rows] the 2 ** e to multiply the product by)."""
     fmt = w.fmt
-    groups = w.in_features // fmt.group_size
+    groups = fmt.groups(w.in_features)
     signs, order, _ = _tables(fmt.name, str(x.device))
     # R x = H (D x) / sqrt(128) (rotation.rotate, with the signs D kept on the device)
-    xr = fwht(x.float().reshape(x.shape[0], groups, fmt.group_size) * signs) / math.sqrt(fmt.group_size)
-    xr = xr[..., order].reshape(x.shape[0], w.in_features)
+    xg = pad_to_groups(x.float(), fmt).reshape(x.shape[0], groups, fmt.group_size)
+    xr = fwht(xg * signs) / math.sqrt(fmt.group_size)
+    xr = xr[..., order].reshape(x.shape[0], groups * fmt.group_size)
     amax = xr.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_HEADROOM)))
     return (xr / scale[:, None]).to(torch.float16), scale
@@ -66,7 +67,7 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torc
 @torch.library.custom_op("turboquant::tq_linear", mutates_args=())
 def tq_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
     """``tq_linear`` without bias as one opaque op (torch.compile and CUDA graphs see a single call)."""
-    return tq_linear(x, TQWeight(fmt, packed, scales, scales.shape[1] * get_weight_format(fmt).group_size))
+    return tq_linear(x, TQWeight(fmt, packed, scales, x.shape[-1]))
 
 
 @tq_linear_op.register_fake
@@ -85,7 +86,7 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
     lead = x.shape[:-1]
     rows = math.prod(lead)
     xk, scale = rotated_activation(x.reshape(rows, w.in_features), w)
-    groups = w.in_features // fmt.group_size
+    groups = fmt.groups(w.in_features)
     tiles = triton.cdiv(w.out_features, BLOCK_O) * triton.cdiv(rows, BLOCK_B)
     per_split = triton.cdiv(groups, num_group_splits(tiles, groups, x.device))
     splits = triton.cdiv(groups, per_split)

@@ -2,8 +2,9 @@
 """TurboQuant weights (``formats.WEIGHT_FORMATS``: ``tq3``, ``tq4``): the storage of a quantized linear weight and
 its plain-torch reference encoding, decoding and product, the oracle of the fused kernels to come.
 
-A weight W [out, in] is cut along the input dimension into G = in / 128 groups. Group g of row o,
-w = W[o, 128 g : 128 (g + 1)], is stored as the format's code (``quantizer.MSEQuantizer``): the rotation
+A weight W [out, in] is cut along the input dimension into G = ceil(in / 128) groups, the last one zero-padded
+(a 576-wide layer: 4 full groups and one of 64 weights and 64 zeros; activations are padded alike). Group g of
+row o, w = W[o, 128 g : 128 (g + 1)], is stored as the format's code (``quantizer.MSEQuantizer``): the rotation
 R (the format's seed) of w, each coordinate of R w * sqrt(128) / |w| mapped to its Lloyd-Max index, and one
 fp16 scale s chosen so that |s c[idx]| = |w| (norm correction). So w_hat = R^T (s c[idx]), and
 
@@ -54,8 +55,7 @@ class TQWeight:
     def check(self) -> None:
         """Raise ValueError unless the tensors have the shapes and dtypes of the format."""
         fmt = self.fmt
-        fmt.check_in_features(self.in_features)
-        groups = self.in_features // fmt.group_size
+        groups = fmt.groups(self.in_features)
         want = (self.out_features, groups, fmt.group_size * fmt.bits // 8)
         if self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != want:
             raise ValueError(f"{fmt.name} weight: packed indices must be uint8 {want}, got "
@@ -72,17 +72,22 @@ def quantize_weight(weight: torch.Tensor, fmt: WeightFormat | str) -> TQWeight:
         raise ValueError(f"{fmt.name}: expected a 2-D float weight [out, in], got "
                          f"{str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
-    fmt.check_in_features(in_features)
-    gs, groups = fmt.group_size, in_features // fmt.group_size
+    gs, groups = fmt.group_size, fmt.groups(in_features)
     q = fmt.quantizer()
     packed = torch.empty(out_features, groups, gs * fmt.bits // 8, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(out_features, groups, dtype=torch.float16, device=weight.device)
     for r0 in range(0, out_features, ENCODE_ROWS):
-        rows = weight[r0:r0 + ENCODE_ROWS]
+        rows = pad_to_groups(weight[r0:r0 + ENCODE_ROWS], fmt)
         code = q.quantize(rows.reshape(rows.shape[0], groups, gs))
         packed[r0:r0 + rows.shape[0]] = pack_indices(code.idx, fmt.bits)
         scales[r0:r0 + rows.shape[0]] = code.scale.to(torch.float16)
     return TQWeight(fmt.name, packed, scales, in_features)
+
+
+def pad_to_groups(x: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """x [..., in] zero-padded to [..., groups * group_size] (x itself when the groups divide it)."""
+    pad = fmt.groups(x.shape[-1]) * fmt.group_size - x.shape[-1]
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
 def _code(w: TQWeight) -> MSEQuantized:
@@ -98,7 +103,7 @@ def rotated_weight(w: TQWeight) -> torch.Tensor:
 def dequantize_weight(w: TQWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The decoded weight [out, in] (w_hat = R^T s c[idx] per group)."""
     w.check()
-    return w.fmt.quantizer().dequantize(_code(w)).reshape(w.out_features, w.in_features).to(dtype)
+    return w.fmt.quantizer().dequantize(_code(w)).reshape(w.out_features, -1)[:, :w.in_features].to(dtype)
 
 
 def tq_linear_reference(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,8 +113,8 @@ def tq_linear_reference(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None 
     fmt = w.fmt
     if x.shape[-1] != w.in_features:
         raise ValueError(f"{fmt.name}: activation has {x.shape[-1]} features, the weight {w.in_features}")
-    groups = w.in_features // fmt.group_size
-    xr = rotate(x.float().reshape(*x.shape[:-1], groups, fmt.group_size), fmt.seed)
+    groups = fmt.groups(w.in_features)
+    xr = rotate(pad_to_groups(x.float(), fmt).reshape(*x.shape[:-1], groups, fmt.group_size), fmt.seed)
     y = torch.einsum("...gd,ogd->...o", xr, rotated_weight(w))
     return y if bias is None else y + bias.float()
 

@@ -7,9 +7,9 @@ Each linear layer (``LinearBase``: the attention and MLP projections) loads its 
 unquantized method would; once the layer's weights are loaded, ``process_weights_after_loading`` encodes it in
 the format (``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16
 scale) and frees the full-precision copy, so at most one layer exists twice at a time. The forward pass is one
-``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are; a layer whose
-input slice is not a multiple of 128 stays in full precision and is logged. MoE experts (``FusedMoE``) are not
-covered yet and stay in full precision.
+``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are (an input slice
+that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``) are not covered yet and stay
+in full precision.
 
 ``TQCheckpointConfig`` reads the checkpoint's ``quantization_config`` (checked against the format table: a
 checkpoint that disagrees with its format, or a version this code does not know, is refused) and gives every
@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
@@ -31,8 +30,6 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ..formats import WEIGHT_FORMATS, WeightFormat, get_weight_format
 from ..ops.linear import tq_linear_op
-
-logger = init_logger(f"vllm.{__name__}")
 
 
 class TQWeightConfig(QuantizationConfig):
@@ -84,7 +81,6 @@ class TQLinearMethod(LinearMethodBase):
 
     def __init__(self, fmt: WeightFormat, prefix: str = ""):
         self.fmt, self.prefix = fmt, prefix
-        self.unquantized = UnquantizedLinearMethod()
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -95,26 +91,16 @@ class TQLinearMethod(LinearMethodBase):
             input_dim=1, output_dim=0, weight_loader=weight_loader)
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
-        layer.tq_encoded = False
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from ..ops.weight_codec import quantize_weight
 
-        w = layer.weight.data
-        if w.shape[1] % self.fmt.group_size:
-            logger.info("TurboQuant %s: %s stays in full precision (input slice %d is not a multiple of %d)",
-                        self.fmt.name, self.prefix or type(layer).__name__, w.shape[1], self.fmt.group_size)
-            self.unquantized.process_weights_after_loading(layer)
-            return
-        q = quantize_weight(w, self.fmt)
+        q = quantize_weight(layer.weight.data, self.fmt)
         # The packed indices take the weight's place; the full-precision tensor is freed here.
         layer.weight = torch.nn.Parameter(q.packed, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
-        layer.tq_encoded = True
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not layer.tq_encoded:
-            return self.unquantized.apply(layer, x, bias)
         y = tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name)
         return y if bias is None else y + bias
 
@@ -183,11 +169,11 @@ class TQPackedLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         gs = self.fmt.group_size
-        if input_size_per_partition % gs:
+        if input_size_per_partition != input_size and input_size_per_partition % gs:
             raise ValueError(f"TurboQuant checkpoint: {self.prefix} has {input_size_per_partition} inputs per "
                              f"tensor-parallel rank, not a multiple of the group size {gs}; use fewer ranks")
         weight_loader = extra_weight_attrs.pop("weight_loader")
-        rows, groups = sum(output_partition_sizes), input_size_per_partition // gs
+        rows, groups = sum(output_partition_sizes), self.fmt.groups(input_size_per_partition)
         packed = ModelWeightParameter(
             data=torch.empty(rows, groups, gs * self.fmt.bits // 8, dtype=torch.uint8),
             input_dim=1, output_dim=0, weight_loader=weight_loader)
