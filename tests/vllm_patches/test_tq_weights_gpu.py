@@ -23,26 +23,11 @@ from test_stock_failures_gpu import (
     _outputs,
     _random_prompts,
     _tokens,
-    run_engine,
+    engine,  # noqa: F401  (the module-scoped runner fixture, shared)
 )
 from test_tq_serving_gpu import _model, _prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    cache: dict[str, dict] = {}
-
-    def run(**config) -> dict:
-        import json
-
-        key = json.dumps(config, sort_keys=True)
-        if key not in cache:
-            cache[key] = run_engine(tmp_path_factory.mktemp("engine"), **config)
-        return cache[key]
-
-    return run
 
 
 def _prompt_gap(got: dict, ref: dict) -> float:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import shutil
 import struct
 import sys
-import tempfile
 from pathlib import Path
+
+from .atomic_folder import atomic_folder
 
 # llama.cpp token types
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -248,9 +248,7 @@ def convert_gguf(src: str | os.PathLike, dest: str | os.PathLike, dtype: str = "
         reader = gguf.GGUFReader(str(src))
     except Exception as e:  # a corruption the header check does not see
         raise GGUFFileError(f"{src} is not a valid GGUF file: {e}") from e
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_folder(dest) as tmp:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                      dtype=getattr(torch, dtype))
@@ -267,16 +265,6 @@ def convert_gguf(src: str | os.PathLike, dest: str | os.PathLike, dtype: str = "
         tok.save_pretrained(tmp)
         if needs_spm_bpe_rebuild(reader):
             _rebuild_tokenizer(reader, tmp)
-        if dest.exists():
-            old = dest.with_name(dest.name + ".old")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 
 from ..formats import WEIGHT_FORMATS, WeightFormat
 from ..ops.weight_codec import quantize_weight
+from .atomic_folder import atomic_folder
 
 QUANT_METHOD = "turboquant"
 CHECKPOINT_VERSION = 1
@@ -112,9 +112,7 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
     shards, weight_map = _shards(src)
 
     summary = QuantizeSummary(dest, fmt.name)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_folder(dest) as tmp:
         for p in src.iterdir():  # tokenizer, generation config, ...: everything but the weights and their index
             if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, "config.json"):
                 shutil.copy2(p, tmp / p.name)
@@ -165,16 +163,6 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
             "modules_not_converted": sorted({n.removesuffix(".weight") for n, _ in summary.kept}),
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if dest.exists():
-            old = dest.with_name(dest.name + ".old")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 

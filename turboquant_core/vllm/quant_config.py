@@ -32,17 +32,9 @@ from ..formats import WEIGHT_FORMATS, WeightFormat, get_weight_format
 from ..ops.linear import tq_linear_op
 
 
-class TQWeightConfig(QuantizationConfig):
-    """The base of ``TQ3Config`` and ``TQ4Config`` (one format each)."""
-
-    format_name: ClassVar[str]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fmt: WeightFormat = get_weight_format(self.format_name)
-
-    def get_name(self) -> str:
-        return self.format_name
+class _TQQuantizationConfig(QuantizationConfig):
+    """What the TurboQuant weight methods share: fp16/bf16 activations, Ampere or newer (the kernel's
+    tensor-core products), nothing to read beyond config.json."""
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16]
@@ -53,7 +45,20 @@ class TQWeightConfig(QuantizationConfig):
 
     @staticmethod
     def get_config_filenames() -> list[str]:
-        return []  # encoded at load: nothing to read from the checkpoint
+        return []
+
+
+class TQWeightConfig(_TQQuantizationConfig):
+    """The base of ``TQ3Config`` and ``TQ4Config`` (one format each)."""
+
+    format_name: ClassVar[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fmt: WeightFormat = get_weight_format(self.format_name)
+
+    def get_name(self) -> str:
+        return self.format_name
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TQWeightConfig:
@@ -109,7 +114,7 @@ CHECKPOINT_METHOD = "turboquant"
 CHECKPOINT_VERSIONS = (1,)
 
 
-class TQCheckpointConfig(QuantizationConfig):
+class TQCheckpointConfig(_TQQuantizationConfig):
     """A checkpoint written by ``tq quantize`` (``turboquant_core.integrations.quantize_checkpoint``)."""
 
     def __init__(self, fmt: WeightFormat, not_converted: list[str]) -> None:
@@ -118,17 +123,6 @@ class TQCheckpointConfig(QuantizationConfig):
 
     def get_name(self) -> str:
         return CHECKPOINT_METHOD
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 80
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TQCheckpointConfig:
