@@ -44,6 +44,19 @@ def _select_cpu_platform_if_none_detected() -> None:
         platforms.current_platform = CpuPlatform()
 
 
+def _patched_imports(what: str, *modules: str) -> list:
+    """The named modules of the patched vLLM (or of turboquant_core's glue over it) on the CPU platform; skips,
+    saying which part did not import, where a dependency is missing."""
+    import importlib
+
+    _patched_vllm_dir()
+    try:
+        _select_cpu_platform_if_none_detected()
+        return [importlib.import_module(m) for m in modules]
+    except ImportError as e:
+        pytest.skip(f"patched vllm is installed but {what} does not import: {e}")
+
+
 @pytest.fixture(scope="module")
 def vllm_modules():
     _patched_vllm_dir()

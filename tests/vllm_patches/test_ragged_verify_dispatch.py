@@ -25,17 +25,11 @@ MAX_NUM_SEQS = 16
 
 @pytest.fixture(scope="module")
 def vllm_runner():
-    from test_config_layer import _patched_vllm_dir, _select_cpu_platform_if_none_detected
+    from test_config_layer import _patched_imports
 
-    _patched_vllm_dir()
-    try:
-        _select_cpu_platform_if_none_detected()
-        from vllm.config import CUDAGraphMode
-        from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as e:
-        pytest.skip(f"patched vllm is installed but its V1 runner does not import: {e}")
-    return GPUModelRunner, CudagraphDispatcher, CUDAGraphMode
+    runner, dispatcher, config = _patched_imports("its V1 runner", "vllm.v1.worker.gpu_model_runner",
+                                                  "vllm.v1.cudagraph_dispatcher", "vllm.config")
+    return runner.GPUModelRunner, dispatcher.CudagraphDispatcher, config.CUDAGraphMode
 
 
 def _runner(vllm_runner, *, ragged: bool):

@@ -27,15 +27,9 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 def tq():
     if torch.cuda.is_available():
         pytest.skip("runs the kernels in the interpreter (on a GPU: test_tq_backend_gpu.py)")
-    from test_config_layer import _patched_vllm_dir, _select_cpu_platform_if_none_detected
+    from test_config_layer import _patched_imports
 
-    _patched_vllm_dir()
-    try:
-        _select_cpu_platform_if_none_detected()
-        from turboquant_core.vllm import backend
-    except ImportError as e:
-        pytest.skip(f"patched vllm is installed but the backend does not import: {e}")
-    return backend
+    return _patched_imports("the backend", "turboquant_core.vllm.backend")[0]
 
 
 @pytest.fixture

@@ -17,17 +17,13 @@ from turboquant_core.ops.weight_codec import quantize_weight, tq_linear_referenc
 def vllm_linear(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU recipe (the kernel runs in the interpreter here)")
-    from test_config_layer import _patched_vllm_dir, _select_cpu_platform_if_none_detected
+    from test_config_layer import _patched_imports
 
-    _patched_vllm_dir()
-    try:
-        _select_cpu_platform_if_none_detected()
-        from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.distributed import parallel_state
-        from vllm.model_executor.layers import linear
-        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
-    except ImportError as e:
-        pytest.skip(f"patched vllm is installed but its linear layers do not import: {e}")
+    config, parallel_state, linear, quantization = _patched_imports(
+        "its linear layers", "vllm.config", "vllm.distributed.parallel_state", "vllm.model_executor.layers.linear",
+        "vllm.model_executor.layers.quantization")
+    VllmConfig, set_current_vllm_config = config.VllmConfig, config.set_current_vllm_config
+    QUANTIZATION_METHODS, get_quantization_config = quantization.QUANTIZATION_METHODS, quantization.get_quantization_config
     init = f"file://{tmp_path_factory.mktemp('dist') / 'rendezvous'}"
     with set_current_vllm_config(VllmConfig()):
         if not parallel_state.model_parallel_is_initialized():

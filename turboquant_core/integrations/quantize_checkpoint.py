@@ -77,9 +77,8 @@ def _shards(src: Path) -> tuple[list[str], dict | None]:
     return single, None
 
 
-def _is_projection(name: str, keep: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatch(name, p) for p in PROJECTION_PATTERNS) and not any(fnmatch.fnmatch(name, p)
-                                                                                   for p in keep)
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
 def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: WeightFormat | str, *,
@@ -128,14 +127,16 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
                             t = f.get_tensor(name)
                             seen.add(name)
                             summary.bytes_before += t.numel() * t.element_size()
-                            if _is_projection(name, keep) and t.dim() == 2 and t.dtype.is_floating_point:
+                            projection = _matches(name, PROJECTION_PATTERNS)
+                            kept = projection and _matches(name, keep)
+                            if projection and not kept and t.dim() == 2 and t.dtype.is_floating_point:
                                 q = quantize_weight(t, fmt)
                                 stem = name.removesuffix(".weight")
                                 out[f"{stem}.weight_packed"] = q.packed.cpu()
                                 out[f"{stem}.weight_scale"] = q.scales.cpu()
                                 summary.quantized.append(name)
                                 continue
-                            elif _is_projection(name, ()) and any(fnmatch.fnmatch(name, p) for p in keep):
+                            if kept:
                                 summary.kept.append((name, "kept by --keep"))
                             out[name] = t.cpu()
                 except SafetensorError as e:
