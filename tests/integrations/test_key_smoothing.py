@@ -275,6 +275,7 @@ def _tensor_parallel_rank(rank: int, size: int, init: str, kind: str, kv_heads: 
                                            rtol=1e-6, atol=1e-7)
                 torch.testing.assert_close(got.self_attn.k_norm.weight, want.self_attn.k_norm.weight,
                                            rtol=1e-6, atol=1e-7)
+        dist.barrier()  # both ranks done with the group before either tears it down
     finally:
         dist.destroy_process_group()
 
