@@ -26,13 +26,14 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 _binders = {}
 
 
-def stack_bytes(cubin: bytes) -> int:
-    """Per-thread stack frame of a cubin's kernel (register spills), from Triton's bundled cuobjdump."""
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack frame per thread: register spills) of a cubin's kernel, from Triton's bundled
+    cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"STACK:(\d+)", res).group(1))
+    return int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
 
 
 class ProbedLaunch:
@@ -50,7 +51,7 @@ class ProbedLaunch:
         tjit.serialize_specialization_data(self.name, signature, constexprs, attrs, options, "key")
 
     def compile(self) -> dict:
-        """Compile to a cubin for sm_90: {kernel, stack (spill bytes per thread), shared (bytes)}."""
+        """Compile to a cubin for sm_90: {kernel, regs, stack (spill bytes per thread), shared (bytes)}."""
         options, signature, constexprs, attrs = self._packed
         if getattr(self.fn, "is_gluon", lambda: False)():
             from triton.experimental.gluon._runtime import GluonASTSource
@@ -59,7 +60,8 @@ class ProbedLaunch:
         else:
             src = triton.compiler.ASTSource(self.fn, signature, constexprs, attrs)
         k = triton_compile(src, target=TARGET, options=options.__dict__)
-        return dict(kernel=self.name, stack=stack_bytes(k.asm["cubin"]), shared=k.metadata.shared)
+        regs, stack = resource_usage(k.asm["cubin"])
+        return dict(kernel=self.name, regs=regs, stack=stack, shared=k.metadata.shared)
 
 
 def install(on_launch) -> None:

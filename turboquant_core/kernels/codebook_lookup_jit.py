@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codebook lookups of packed planar8 indices inside the kernels (jit only): loading a segment's packed
-words, and turning them into fp16 codebook values by byte permutes of a codebook held in registers
+words, and turning them into fp16 (or bf16) codebook values by byte permutes of a codebook held in registers
 (``_permute_lookup4``; Triton's interpreter, which cannot run PTX, loads the same values). Shared by decode
 attention, the gather-dequant and the dense decode.
 
@@ -48,8 +48,8 @@ def _load_words(IN, row_off, row_mask, byte0, G: tl.constexpr, GP: tl.constexpr,
 
 
 @triton.jit
-def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr):
-    """Codebook value of b-bit field j of every word, loaded from TABLE (fields above 8b bits are zero: no
+def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr, DT: tl.constexpr = tl.float16):
+    """Codebook value (as DT) of b-bit field j of every word, loaded from TABLE (fields above 8b bits are zero: no
     mask for j=7). The interpreter's path: it cannot run the register lookups' PTX."""
     if j == 0:
         idx = word & ((1 << B) - 1)
@@ -57,16 +57,16 @@ def _field(word, TABLE, j: tl.constexpr, B: tl.constexpr):
         idx = word >> (B * j)
     else:
         idx = (word >> (B * j)) & ((1 << B) - 1)
-    return tl.load(TABLE + idx).to(tl.float16)
+    return tl.load(TABLE + idx).to(DT)
 
 
 @triton.jit
-def _table_bytes(TABLE, FIRST: tl.constexpr, HIGH: tl.constexpr):
-    """One word of 4 bytes: the low (or, with HIGH, the high) byte of entries FIRST..FIRST+3 of TABLE as fp16
-    (fp32 tables are rounded to fp16 first)."""
+def _table_bytes(TABLE, FIRST: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr):
+    """One word of 4 bytes: the low (or, with HIGH, the high) byte of entries FIRST..FIRST+3 of TABLE as DT
+    (fp16 or bf16; fp32 tables are rounded to DT first)."""
     w = tl.zeros((), tl.int32)
     for e in tl.static_range(4):
-        bits = tl.load(TABLE + FIRST + e).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = tl.load(TABLE + FIRST + e).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         if HIGH:
             bits = bits >> 8
         else:
@@ -76,12 +76,12 @@ def _table_bytes(TABLE, FIRST: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _codebook_bytes(TABLE, B: tl.constexpr):
-    """A b-bit codebook (2**b <= 16 entries, as fp16) as byte-permute tables, computed once per program:
+def _codebook_bytes(TABLE, B: tl.constexpr, DT: tl.constexpr = tl.float16):
+    """A b-bit codebook (2**b <= 16 entries, as DT: fp16 or bf16) as byte-permute tables, made once per program:
     (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3), where lo_k / hi_k hold the low / high bytes of entries
     4k..4k+3 (words a codebook does not reach repeat lo0 / hi0)."""
-    lo0 = _table_bytes(TABLE, 0, False)
-    hi0 = _table_bytes(TABLE, 0, True)
+    lo0 = _table_bytes(TABLE, 0, False, DT)
+    hi0 = _table_bytes(TABLE, 0, True, DT)
     lo1 = lo0
     hi1 = hi0
     lo2 = lo0
@@ -89,13 +89,13 @@ def _codebook_bytes(TABLE, B: tl.constexpr):
     lo3 = lo0
     hi3 = hi0
     if B >= 3:
-        lo1 = _table_bytes(TABLE, 4, False)
-        hi1 = _table_bytes(TABLE, 4, True)
+        lo1 = _table_bytes(TABLE, 4, False, DT)
+        hi1 = _table_bytes(TABLE, 4, True, DT)
     if B == 4:
-        lo2 = _table_bytes(TABLE, 8, False)
-        hi2 = _table_bytes(TABLE, 8, True)
-        lo3 = _table_bytes(TABLE, 12, False)
-        hi3 = _table_bytes(TABLE, 12, True)
+        lo2 = _table_bytes(TABLE, 8, False, DT)
+        hi2 = _table_bytes(TABLE, 8, True, DT)
+        lo3 = _table_bytes(TABLE, 12, False, DT)
+        hi3 = _table_bytes(TABLE, 12, True, DT)
     return (lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3)
 
 
@@ -116,8 +116,9 @@ def _nibble_fields(word, B: tl.constexpr):
 
 
 @triton.jit
-def _permute_lookup4(sel, cb, B: tl.constexpr):
-    """Codebook values of the four fields in nibbles 0-3 of ``sel``, looked up in registers.
+def _permute_lookup4(sel, cb, B: tl.constexpr, DT: tl.constexpr = tl.float16):
+    """Codebook values (DT, the type ``cb`` was built for) of the four fields in nibbles 0-3 of ``sel``, looked
+    up in registers.
 
     ``prmt`` picks any 4 of the 8 bytes of two registers, one 4-bit selector per output byte, so one
     instruction fetches the low bytes of four entries of an 8-entry table and one more their high bytes;
@@ -134,39 +135,40 @@ def _permute_lookup4(sel, cb, B: tl.constexpr):
             PERMUTE_LOOKUP4_ASM_8, "=h,=h,=h,=h,r,r,r,r,r",
             [sel, cb[0], cb[1], cb[4], cb[5]],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
-    return (a.to(tl.float16, bitcast=True), b.to(tl.float16, bitcast=True), c.to(tl.float16, bitcast=True),
-            d.to(tl.float16, bitcast=True))
+    return a.to(DT, bitcast=True), b.to(DT, bitcast=True), c.to(DT, bitcast=True), d.to(DT, bitcast=True)
 
 
 @triton.jit
-def _dequant_words(word, TABLE, cb, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr):
-    """[BN, GP] words of b-bit fields (b = 2, 3, 4) -> [BN, 8*GP] fp16 codebook values in kernel order
+def _dequant_words(word, TABLE, cb, BN: tl.constexpr, GP: tl.constexpr, B: tl.constexpr,
+                   DT: tl.constexpr = tl.float16):
+    """[BN, GP] words of b-bit fields (b = 2, 3, 4) -> [BN, 8*GP] codebook values (DT: fp16, or bf16 with a
+    ``cb`` built for it) in kernel order
     (position g*8 + r holds field bitrev3(r)); the joins and the reshape only rename registers. On the GPU
     the values come from ``cb`` (``_codebook_bytes``) by register permutes; the interpreter loads them from
-    TABLE (the same fp16 values)."""
+    TABLE (the same DT values)."""
     tl.static_assert(B >= 2 and B <= 4, "codebook lookups serve 2- to 4-bit fields")
     if INTERPRETING:
-        f0 = _field(word, TABLE, 0, B)
-        f1 = _field(word, TABLE, 1, B)
-        f2 = _field(word, TABLE, 2, B)
-        f3 = _field(word, TABLE, 3, B)
-        f4 = _field(word, TABLE, 4, B)
-        f5 = _field(word, TABLE, 5, B)
-        f6 = _field(word, TABLE, 6, B)
-        f7 = _field(word, TABLE, 7, B)
+        f0 = _field(word, TABLE, 0, B, DT)
+        f1 = _field(word, TABLE, 1, B, DT)
+        f2 = _field(word, TABLE, 2, B, DT)
+        f3 = _field(word, TABLE, 3, B, DT)
+        f4 = _field(word, TABLE, 4, B, DT)
+        f5 = _field(word, TABLE, 5, B, DT)
+        f6 = _field(word, TABLE, 6, B, DT)
+        f7 = _field(word, TABLE, 7, B, DT)
     else:
         x = _nibble_fields(word, B)
-        f0, f1, f2, f3 = _permute_lookup4(x, cb, B)
-        f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B)
+        f0, f1, f2, f3 = _permute_lookup4(x, cb, B, DT)
+        f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B, DT)
     c = tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)), tl.join(tl.join(f4, f5), tl.join(f6, f7)))
     return tl.reshape(c, (BN, 8 * GP))
 
 
 @triton.jit
-def _codebook_registers(TABLE, B: tl.constexpr):
-    """What ``_dequant_words`` takes as ``cb``: the byte-permute tables on the GPU, a placeholder in the
-    interpreter."""
+def _codebook_registers(TABLE, B: tl.constexpr, DT: tl.constexpr = tl.float16):
+    """What ``_dequant_words`` takes as ``cb``: the byte-permute tables (of DT values) on the GPU, a placeholder
+    in the interpreter."""
     if INTERPRETING:
         return 0
     else:
-        return _codebook_bytes(TABLE, B)
+        return _codebook_bytes(TABLE, B, DT)

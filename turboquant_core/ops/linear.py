@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launcher of
-``kernels.linear_jit.tq_linear_kernel``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
+"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launchers of
+``kernels.linear_jit``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
 
-The activation is rotated once per group (the weight never is), permuted to the kernels' coordinate order and
-given to the kernel in fp16 after a power-of-two scale per row, so that rows beyond fp16's range (bf16
-activations with outliers) neither overflow nor lose relative precision; the scale is exact to undo.
+Up to ``FUSED_MAX_ROWS`` activation rows (decode batches) the product is one fused launch that rotates the
+activation and decodes the weight in registers (``tq_linear_kernel``). More rows (prefill) are compute-bound:
+the weight is decoded once into a bf16/fp16 workspace in the rotated domain, the activation rotated by one batched
+product, and the GEMM is cuBLAS's. Both run in the activation's type, bf16 or fp16 (fp32 activations in fp16),
+with fp32 accumulation; neither rotates the weight back.
 """
 
 from __future__ import annotations
@@ -21,83 +23,139 @@ from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
 from .weight_codec import TQWeight, pad_to_groups
 
+FUSED_MAX_ROWS = 64  # activation rows the fused kernel takes; above, decode to a workspace + GEMM
 BLOCK_O = 64  # output rows per program
-BLOCK_B = 16  # activation rows per program (tensor-core M)
+NUM_WARPS = 4
+NUM_STAGES = 2
 PROGRAMS_PER_SM = 4  # split-K target when the output tiles are few
 MIN_GROUPS_PER_SPLIT = 4  # 512 inputs per program at least: each split reads enough to pay for its partial sums
-FP16_HEADROOM = 2.0 ** 12  # largest |value| fed to the kernel: a group's 128 products stay far below fp16's max
+MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this never split
+DEQUANT_BLOCK_O = 32
+
+
+def block_rows(rows: int) -> int:
+    """Activation rows per program of the fused kernel (the tensor-core M: 16 at least)."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 @functools.lru_cache(maxsize=16)
-def _tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the rotation's signs, the kernel order of a group's coordinates, the codebook) on ``device``, made once:
+def _codebook(fmt_name: str, device: str) -> torch.Tensor:
+    fmt = get_weight_format(fmt_name)
+    return codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float().to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """M / 16 [128, 128] in ``dtype``: x_g @ M / 16 is the group's rotation R x_g times sqrt(128) / 16, its
+    coordinates in kernel order. Entries are +-1/16, exact in fp16 and bf16. Made once per device and type, so
     later calls (CUDA-graph capture included) copy nothing from the host."""
     fmt = get_weight_format(fmt_name)
-    signs = hadamard_signs(fmt.group_size, fmt.seed).to(device)
-    order = kernel_coordinate_order(codec_tables(fmt.group_size, fmt.bits, fmt.seed, "cpu")).to(device)
-    table = codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float().to(device)
-    return signs, order, table
+    gs = fmt.group_size
+    order = kernel_coordinate_order(codec_tables(gs, fmt.bits, fmt.seed, "cpu"))
+    m = fwht(torch.eye(gs) * hadamard_signs(gs, fmt.seed))[:, order] / 16  # row i: the image of e_i
+    return m.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _split_counters(device: str, stream: int) -> torch.Tensor:
+    """One zero per tile for the split products' arrivals; every product leaves them zero again. Kept per stream:
+    products on two streams at once never share them."""
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def num_group_splits(tiles: int, groups: int, device) -> int:
     """Ranges of groups the product is split into: enough programs for PROGRAMS_PER_SM on every SM when the
     output and batch tiles alone are fewer (a small batch over a layer of a few thousand outputs), each range
-    MIN_GROUPS_PER_SPLIT groups at least; the partial sums are added in a fixed order (no atomics)."""
+    MIN_GROUPS_PER_SPLIT groups at least; the partial sums are added in a fixed order."""
     from .paged_attention import _sm_count
 
+    if tiles > MAX_SPLIT_TILES:
+        return 1
     want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(str(device)), tiles)
     return max(1, min(want, groups // MIN_GROUPS_PER_SPLIT))
 
 
-def rotated_activation(x: torch.Tensor, w: TQWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (fp16 [rows, groups * 128]: zero-padded to whole groups, each group rotated, in kernel
-    order, times 2 ** -e per row; fp32 [rows] the 2 ** e to multiply the product by)."""
-    fmt = w.fmt
-    groups = fmt.groups(w.in_features)
-    signs, order, _ = _tables(fmt.name, str(x.device))
-    # R x = H (D x) / sqrt(128) (rotation.rotate, with the signs D kept on the device)
-    xg = pad_to_groups(x.float(), fmt).reshape(x.shape[0], groups, fmt.group_size)
-    xr = fwht(xg * signs) / math.sqrt(fmt.group_size)
-    xr = xr[..., order].reshape(x.shape[0], groups * fmt.group_size)
-    amax = xr.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_HEADROOM)))
-    return (xr / scale[:, None]).to(torch.float16), scale
-
-
 @torch.library.custom_op("turboquant::tq_linear", mutates_args=())
-def tq_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``tq_linear`` without bias as one opaque op (torch.compile and CUDA graphs see a single call)."""
-    return tq_linear(x, TQWeight(fmt, packed, scales, x.shape[-1]))
+def tq_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``tq_linear`` as one opaque op (torch.compile and CUDA graphs see a single call). The split products'
+    arrival counters it touches are zero again when it returns: it mutates nothing a caller can see."""
+    return tq_linear(x, TQWeight(fmt, packed, scales, x.shape[-1]), bias)
 
 
 @tq_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+      bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float16
 
 
 def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> x W_hat^T (+ bias) [..., out] in x's dtype (see the module docstring)."""
-    from ..kernels.linear_jit import tq_linear_kernel
-
     w.check()
     fmt = w.fmt
     if x.shape[-1] != w.in_features:
         raise ValueError(f"{fmt.name}: activation has {x.shape[-1]} features, the weight {w.in_features}")
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    xk, scale = rotated_activation(x.reshape(rows, w.in_features), w)
-    groups = fmt.groups(w.in_features)
-    tiles = triton.cdiv(w.out_features, BLOCK_O) * triton.cdiv(rows, BLOCK_B)
-    per_split = triton.cdiv(groups, num_group_splits(tiles, groups, x.device))
-    splits = triton.cdiv(groups, per_split)
-    part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
-    table = _tables(fmt.name, str(x.device))[2]
-    grid = (triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, BLOCK_B), splits)
-    tq_linear_kernel[grid](xk, w.packed, w.scales, table, part, rows, w.out_features, groups, per_split,
-                           xk.stride(0), part.stride(1), part.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O,
-                           BLOCK_B=BLOCK_B)
-    y = part[0] if splits == 1 else part.sum(0)
-    y *= scale[:, None]
-    if bias is not None:
-        y += bias.float()
+    x2 = x.reshape(rows, w.in_features).to(_compute_dtype(x))
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if rows <= FUSED_MAX_ROWS:
+        y = _fused_product(x2, w, bias)
+    else:
+        y = _decoded_product(x2, w, bias)
     return y.to(x.dtype).reshape(*lead, w.out_features)
+
+
+def _fused_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    from ..kernels.linear_jit import tq_linear_kernel
+
+    fmt = w.fmt
+    rows, dev = x.shape[0], str(x.device)
+    groups = fmt.groups(w.in_features)
+    block_b = block_rows(rows)
+    grid_o, grid_b = triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, block_b)
+    per_split = triton.cdiv(groups, num_group_splits(grid_o * grid_b, groups, x.device))
+    splits = triton.cdiv(groups, per_split)
+    y = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
+    if splits > 1:
+        part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        counters = _split_counters(dev, stream)
+    else:
+        part = counters = y  # not read
+    tq_linear_kernel[(grid_o, grid_b, splits)](
+        x, rotation_operand(fmt.name, dev, x.dtype), w.packed, w.scales, _codebook(fmt.name, dev),
+        bias if bias is not None else y, y, part, counters, rows, w.in_features, w.out_features, groups, per_split,
+        x.stride(0), y.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O, BLOCK_B=block_b, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return y
+
+
+def decoded_weight(w: TQWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[out, groups * 128] ``dtype``: sqrt(2) s c[idx] per group, the weight in the rotated domain in kernel order,
+    the operand that pairs with ``x_g @ rotation_operand``."""
+    from ..kernels.linear_jit import tq_dequant_kernel
+
+    fmt = w.fmt
+    groups = fmt.groups(w.in_features)
+    out = torch.empty(w.out_features, groups * fmt.group_size, dtype=dtype, device=w.packed.device)
+    grid = (triton.cdiv(w.out_features, DEQUANT_BLOCK_O), groups)
+    tq_dequant_kernel[grid](w.packed, w.scales, _codebook(fmt.name, str(w.packed.device)), out, w.out_features,
+                            groups, out.stride(0), BITS=fmt.bits, BLOCK_O=DEQUANT_BLOCK_O)
+    return out
+
+
+def _decoded_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    fmt = w.fmt
+    rows, groups = x.shape[0], fmt.groups(w.in_features)
+    rot = rotation_operand(fmt.name, str(x.device), x.dtype)
+    xr = (pad_to_groups(x, fmt).reshape(rows, groups, fmt.group_size) @ rot).reshape(rows, -1)
+    wd = decoded_weight(w, x.dtype)
+    if bias is None:
+        return xr @ wd.t()
+    return torch.addmm(bias.to(x.dtype), xr, wd.t())

@@ -106,8 +106,7 @@ class TQLinearMethod(LinearMethodBase):
         layer.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name)
-        return y if bias is None else y + bias
+        return tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name, bias)
 
 
 CHECKPOINT_METHOD = "turboquant"
@@ -179,5 +178,4 @@ class TQPackedLinearMethod(LinearMethodBase):
         set_weight_attrs(scale, extra_weight_attrs)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name)
-        return y if bias is None else y + bias
+        return tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name, bias)

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""TurboQuant linear layers (``ops.linear.tq_linear``) against bf16 ``F.linear`` (cuBLAS) at the Qwen3-8B layer
+shapes, CUDA-graph replay: time per decoder layer (qkv, o, gate_up, down), per shape, and the bandwidth the
+weights are read at against the GPU's copy bandwidth.
+
+    python benchmarks/bench_linear.py --out linear.json
+    python benchmarks/bench_linear.py --rows 1,8 --variants "block_o=32;block_o=64,programs_per_sm=8" --out v.json
+
+Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
+variant sets launcher constants of ``ops.linear`` (block_o, programs_per_sm, num_warps, num_stages,
+fused_max_rows) for the study of its choices; the default variant is the shipped one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_paged_attention import time_ms  # noqa: E402
+from turboquant_core.ops import linear as linear_ops  # noqa: E402
+from turboquant_core.ops.weight_codec import TQWeight  # noqa: E402
+
+HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
+SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+          "down": (HIDDEN, INTERMEDIATE)}
+KNOBS = {"block_o": "BLOCK_O", "programs_per_sm": "PROGRAMS_PER_SM", "num_warps": "NUM_WARPS",
+         "num_stages": "NUM_STAGES", "fused_max_rows": "FUSED_MAX_ROWS"}
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in KNOBS:
+            raise SystemExit(f"unknown knob {key!r}; valid: {', '.join(KNOBS)}")
+        out[key] = int(value)
+    return out
+
+
+def random_weight(fmt: str, out_features: int, in_features: int, device: str) -> TQWeight:
+    """Random indices and scales of the right shapes (the speed does not depend on the values)."""
+    from turboquant_core.formats import get_weight_format
+
+    f = get_weight_format(fmt)
+    groups = f.groups(in_features)
+    packed = torch.randint(0, 256, (out_features, groups, 16 * f.bits), dtype=torch.uint8, device=device)
+    scales = (torch.rand(out_features, groups, device=device) * 0.02 + 0.01).to(torch.float16)
+    return TQWeight(fmt, packed, scales, in_features)
+
+
+def copy_gbps(device: str) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def bench(fmt: str, rows_list: list[int], layers: int, device: str) -> list[dict]:
+    """One row per (rows, shape) plus rows 'layer' (the four shapes of a decoder layer in sequence)."""
+    weights = {}
+    for name, (o, i) in SHAPES.items():
+        if fmt == "bf16":
+            weights[name] = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        else:
+            weights[name] = [random_weight(fmt, o, i, device) for _ in range(layers)]
+
+    def nbytes(w):
+        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
+
+    def product(x, w):
+        if isinstance(w, torch.Tensor):
+            return torch.nn.functional.linear(x, w)
+        return linear_ops.tq_linear(x, w)
+
+    out = []
+    for rows in rows_list:
+        xs = {n: torch.randn(rows, i, device=device, dtype=torch.bfloat16) for n, (o, i) in SHAPES.items()}
+        for name in list(SHAPES) + ["layer"]:
+            names = list(SHAPES) if name == "layer" else [name]
+
+            def run(names=names, xs=xs):
+                for k in range(layers):
+                    for n in names:
+                        product(xs[n], weights[n][k])
+
+            ms = time_ms(run, graph=True)
+            b = sum(nbytes(weights[n][k]) for n in names for k in range(layers))
+            out.append(dict(config=fmt, rows=rows, shape=name, us_per_layer=ms * 1e3 / layers,
+                            weight_gbps=b / ms / 1e6))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="tq4,tq3")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,512")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--variants", default="", help="';'-separated knob sets, e.g. 'block_o=32;num_warps=8'")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    device = "cuda"
+    rows = [int(r) for r in args.rows.split(",")]
+    variants = [parse_variant(v) for v in args.variants.split(";")] if args.variants else [{}]
+    shipped = {k: getattr(linear_ops, v) for k, v in KNOBS.items()}
+    res = dict(device=torch.cuda.get_device_name(), date=dt.date.today().isoformat(), command=" ".join(sys.argv),
+               copy_gbps=copy_gbps(device), shipped=shipped, rows=[])
+    res["rows"] += bench("bf16", rows, args.layers, device)
+    for variant in variants:
+        for k, v in {**shipped, **variant}.items():
+            setattr(linear_ops, KNOBS[k], v)
+        for fmt in args.formats.split(","):
+            for r in bench(fmt, rows, args.layers, device):
+                res["rows"].append(dict(r, variant=variant))
+            print(f"done {fmt} {variant}", flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    Path(args.out).with_suffix(".md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+def markdown(res: dict) -> str:
+    """Per-layer time (us) and speed-up over bf16 at each row count, per config and variant."""
+    base = {(r["rows"], r["shape"]): r["us_per_layer"] for r in res["rows"] if r["config"] == "bf16"}
+    lines = [f"{res['device']}, {res['date']}; copy bandwidth {res['copy_gbps']:.0f} GB/s; `{res['command']}`", "",
+             "| config | variant | rows | shape | us/layer | x bf16 | weight GB/s | % copy |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        v = ",".join(f"{k}={x}" for k, x in r.get("variant", {}).items()) or "shipped"
+        lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
+                     f"{r['us_per_layer']:.1f} | {base[(r['rows'], r['shape'])] / r['us_per_layer']:.2f} | "
+                     f"{r['weight_gbps']:.0f} | {100 * r['weight_gbps'] / res['copy_gbps']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
