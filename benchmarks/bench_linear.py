@@ -9,7 +9,8 @@ weights are read at against the GPU's copy bandwidth.
 
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
 variant sets launcher constants of ``ops.linear`` (block_o, programs_per_sm, num_warps, num_stages,
-fused_max_rows) for the study of its choices; the default variant is the shipped one.
+fused_max_rows, rotate_in_kernel, fma_max_rows) for the study of its choices; the default variant is the shipped
+one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
           "down": (HIDDEN, INTERMEDIATE)}
 KNOBS = {"block_o": "BLOCK_O", "programs_per_sm": "PROGRAMS_PER_SM", "num_warps": "NUM_WARPS",
-         "num_stages": "NUM_STAGES", "fused_max_rows": "FUSED_MAX_ROWS"}
+         "num_stages": "NUM_STAGES", "fused_max_rows": "FUSED_MAX_ROWS", "rotate_in_kernel": "ROTATE_IN_KERNEL",
+         "fma_max_rows": "FMA_MAX_ROWS"}
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -117,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in {**shipped, **variant}.items():
             setattr(linear_ops, KNOBS[k], v)
         for fmt in args.formats.split(","):
-            for r in bench(fmt, rows, args.layers, device):
-                res["rows"].append(dict(r, variant=variant))
+            try:
+                for r in bench(fmt, rows, args.layers, device):
+                    res["rows"].append(dict(r, variant=variant))
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run (e.g. out of shared memory) is recorded
+                res.setdefault("failed", []).append(dict(config=fmt, variant=variant, error=repr(exc)[:500]))
             print(f"done {fmt} {variant}", flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     Path(args.out).with_suffix(".md").write_text(markdown(res))
@@ -137,6 +142,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
                      f"{r['us_per_layer']:.1f} | {base[(r['rows'], r['shape'])] / r['us_per_layer']:.2f} | "
                      f"{r['weight_gbps']:.0f} | {100 * r['weight_gbps'] / res['copy_gbps']:.0f} |")
+    lines += [f"\nfailed: {f['config']} {f['variant']}: {f['error']}" for f in res.get("failed", [])]
     return "\n".join(lines) + "\n"
 
 

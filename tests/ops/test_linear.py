@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from turboquant_core.formats import get_weight_format
+from turboquant_core.ops import linear as linear_ops
 from turboquant_core.ops.linear import FUSED_MAX_ROWS, _split_counters, num_group_splits, rotation_operand, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight, tq_linear_reference
 
@@ -20,10 +21,15 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
     return weight.to(device), x.to(device=device, dtype=dtype)
 
 
+@pytest.mark.parametrize("mode", ["in-kernel", "pre-rotated", "fma"])
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
                                           (48, 576, 3)])
-def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, device):
+def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, mode, device, monkeypatch):
+    """Every way the launcher can run the product: the activation rotated inside the kernel or by its own launch
+    first, and the product by multiply-adds for a few rows."""
+    monkeypatch.setattr(linear_ops, "ROTATE_IN_KERNEL", mode == "in-kernel")
+    monkeypatch.setattr(linear_ops, "FMA_MAX_ROWS", 4 if mode == "fma" else 0)
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)
     bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(device)

@@ -39,17 +39,33 @@ def _dot(a, b):
 
 @triton.jit
 def _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features,
-               BITS: tl.constexpr, BLOCK_O: tl.constexpr, DT: tl.constexpr):
-    """acc + (activation tile of group gi, rotated) x (decoded weight tile of group gi)^T, scaled per output row."""
+               BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_B: tl.constexpr, DT: tl.constexpr,
+               ROTATED: tl.constexpr, FMA: tl.constexpr):
+    """acc + (activation tile of group gi, rotated) x (decoded weight tile of group gi)^T, scaled per output row.
+    ROTATED: X holds the rotated activation already (``tq_rotate_kernel``). FMA: the product by multiply-adds and
+    row sums in the decoded tile's own layout, one activation row at a time, instead of a tensor-core product."""
     word = _load_words(W, (w_row + gi) * (16 * BITS), row_mask, 0, 16, 16, BITS)
     w_tile = _dequant_words(word, TABLE, cb, BLOCK_O, 16, BITS, DT)  # [BLOCK_O, 128], kernel order
-    col = gi * GROUP + d
-    x_tile = tl.load(X + x_row[:, None] + col[None, :], mask=b_mask[:, None] & (col < in_features)[None, :],
-                     other=0.0)
-    xr = _dot(x_tile, rot).to(DT)  # [BLOCK_B, 128] rotated / sqrt(2), kernel order
-    part = _dot(xr, tl.trans(w_tile))  # [BLOCK_B, BLOCK_O] fp32
     s = tl.load(S + w_row + gi, mask=row_mask, other=0.0).to(tl.float32)
-    return acc + part * s[None, :]
+    col = gi * GROUP + d
+    if FMA:
+        wf = w_tile.to(tl.float32)
+        bi = tl.arange(0, BLOCK_B)
+        for b in tl.static_range(BLOCK_B):
+            xb = tl.load(X + tl.sum(tl.where(bi == b, x_row, 0)) + col,
+                         mask=tl.sum(tl.where(bi == b, b_mask.to(tl.int32), 0)) > 0, other=0.0).to(tl.float32)
+            p = tl.sum(wf * xb[None, :], axis=1) * s
+            acc = tl.where((bi == b)[:, None], acc + p[None, :], acc)
+        return acc
+    else:
+        x_tile = tl.load(X + x_row[:, None] + col[None, :], mask=b_mask[:, None] & (col < in_features)[None, :],
+                         other=0.0)
+        if ROTATED:
+            xr = x_tile
+        else:
+            xr = _dot(x_tile, rot).to(DT)  # [BLOCK_B, 128] rotated / sqrt(2), kernel order
+        part = _dot(xr, tl.trans(w_tile))  # [BLOCK_B, BLOCK_O] fp32
+        return acc + part * s[None, :]
 
 
 @triton.jit
@@ -64,7 +80,8 @@ def _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS: 
 @triton.jit
 def tq_linear_kernel(X, ROT, W, S, TABLE, BIAS, Y, PART, COUNT, num_rows, in_features, out_features, groups,
                      groups_per_split, stride_x, stride_y, BITS: tl.constexpr, BLOCK_O: tl.constexpr,
-                     BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ROTATED: tl.constexpr,
+                     FMA: tl.constexpr):
     """X [num_rows, in_features] bf16 or fp16 (rows stride_x apart); ROT [128, 128] the rotation M / 16 in X's type;
     W uint8 [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; TABLE the codebook (2 ** BITS
     fp32); Y [num_rows, out] (rows stride_y apart). Program (o, b, k) sums groups k * groups_per_split onwards (at
@@ -81,7 +98,10 @@ def tq_linear_kernel(X, ROT, W, S, TABLE, BIAS, Y, PART, COUNT, num_rows, in_fea
     bs = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = bs < num_rows
     d = tl.arange(0, GROUP)
-    rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
+    if ROTATED:
+        rot = 0
+    else:
+        rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
     cb = _codebook_registers(TABLE, BITS, DT)
     w_row = rows.to(tl.int64) * groups
     x_row = bs.to(tl.int64) * stride_x
@@ -91,12 +111,12 @@ def tq_linear_kernel(X, ROT, W, S, TABLE, BIAS, Y, PART, COUNT, num_rows, in_fea
         gi = g0
         while gi < g1:
             acc = _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features, BITS,
-                             BLOCK_O, DT)
+                             BLOCK_O, BLOCK_B, DT, ROTATED, FMA)
             gi += 1
     else:
         for gi in range(g0, g1):
             acc = _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features, BITS,
-                             BLOCK_O, DT)
+                             BLOCK_O, BLOCK_B, DT, ROTATED, FMA)
     if SPLIT:
         splits = tl.num_programs(2)
         out_mask = b_mask[:, None] & row_mask[None, :]
@@ -120,6 +140,23 @@ def tq_linear_kernel(X, ROT, W, S, TABLE, BIAS, Y, PART, COUNT, num_rows, in_fea
             _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS)
     else:
         _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS)
+
+
+@triton.jit
+def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLOCK_B: tl.constexpr):
+    """XR [num_rows, groups * 128] (XR's type) = each group of X (zero past in_features) times ROT (M / 16): the
+    rotated activation in kernel order, for BLOCK_B rows (program 0) and one group (program 1)."""
+    bs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    gi = tl.program_id(1)
+    d = tl.arange(0, GROUP)
+    col = gi * GROUP + d
+    b_mask = bs < num_rows
+    x = tl.load(X + bs.to(tl.int64)[:, None] * stride_x + col[None, :],
+                mask=b_mask[:, None] & (col < in_features)[None, :], other=0.0)
+    rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
+    xr = _dot(x, rot)
+    tl.store(XR + bs.to(tl.int64)[:, None] * stride_xr + col[None, :], xr.to(XR.dtype.element_ty),
+             mask=b_mask[:, None])
 
 
 @triton.jit

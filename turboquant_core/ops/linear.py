@@ -21,7 +21,7 @@ from ..codebooks import codebook_tensors
 from ..formats import get_weight_format
 from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
-from .weight_codec import TQWeight, pad_to_groups
+from .weight_codec import TQWeight
 
 FUSED_MAX_ROWS = 64  # activation rows the fused kernel takes; above, decode to a workspace + GEMM
 BLOCK_O = 64  # output rows per program
@@ -31,10 +31,14 @@ PROGRAMS_PER_SM = 4  # split-K target when the output tiles are few
 MIN_GROUPS_PER_SPLIT = 4  # 512 inputs per program at least: each split reads enough to pay for its partial sums
 MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this never split
 DEQUANT_BLOCK_O = 32
+ROTATE_IN_KERNEL = True  # False: one more launch rotates the activation (tq_rotate_kernel) for the product to read
+FMA_MAX_ROWS = 0  # up to this many rows, the product by multiply-adds instead of tensor cores (pre-rotated input)
 
 
 def block_rows(rows: int) -> int:
-    """Activation rows per program of the fused kernel (the tensor-core M: 16 at least)."""
+    """Activation rows per program of the fused kernel (the tensor-core M: 16 at least; 1, 2, 4... rows by FMA)."""
+    if rows <= FMA_MAX_ROWS:
+        return triton.next_power_of_2(rows)
     return max(16, triton.next_power_of_2(rows))
 
 
@@ -117,6 +121,11 @@ def _fused_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> t
     fmt = w.fmt
     rows, dev = x.shape[0], str(x.device)
     groups = fmt.groups(w.in_features)
+    fma = rows <= FMA_MAX_ROWS
+    rotated = fma or not ROTATE_IN_KERNEL
+    rot = rotation_operand(fmt.name, dev, x.dtype)
+    if rotated:
+        x = rotated_activation(x, w)
     block_b = block_rows(rows)
     grid_o, grid_b = triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, block_b)
     per_split = triton.cdiv(groups, num_group_splits(grid_o * grid_b, groups, x.device))
@@ -129,11 +138,24 @@ def _fused_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> t
     else:
         part = counters = y  # not read
     tq_linear_kernel[(grid_o, grid_b, splits)](
-        x, rotation_operand(fmt.name, dev, x.dtype), w.packed, w.scales, _codebook(fmt.name, dev),
-        bias if bias is not None else y, y, part, counters, rows, w.in_features, w.out_features, groups, per_split,
-        x.stride(0), y.stride(0), BITS=fmt.bits, BLOCK_O=BLOCK_O, BLOCK_B=block_b, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        x, rot, w.packed, w.scales, _codebook(fmt.name, dev), bias if bias is not None else y, y, part, counters,
+        rows, x.shape[1], w.out_features, groups, per_split, x.stride(0), y.stride(0), BITS=fmt.bits,
+        BLOCK_O=BLOCK_O, BLOCK_B=block_b, HAS_BIAS=bias is not None, SPLIT=splits > 1, ROTATED=rotated, FMA=fma,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
+
+
+def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
+    """x [rows, in] (bf16 or fp16) -> [rows, groups * 128] in x's type: each group (zero-padded) times
+    ``rotation_operand``, in kernel order (one launch of ``tq_rotate_kernel``)."""
+    from ..kernels.linear_jit import tq_rotate_kernel
+
+    fmt = w.fmt
+    rows, groups = x.shape[0], fmt.groups(w.in_features)
+    xr = torch.empty(rows, groups * fmt.group_size, dtype=x.dtype, device=x.device)
+    tq_rotate_kernel[(triton.cdiv(rows, 16), groups)](x, rotation_operand(fmt.name, str(x.device), x.dtype), xr,
+                                                     rows, w.in_features, x.stride(0), xr.stride(0), BLOCK_B=16)
+    return xr
 
 
 def decoded_weight(w: TQWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -151,10 +173,7 @@ def decoded_weight(w: TQWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _decoded_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    fmt = w.fmt
-    rows, groups = x.shape[0], fmt.groups(w.in_features)
-    rot = rotation_operand(fmt.name, str(x.device), x.dtype)
-    xr = (pad_to_groups(x, fmt).reshape(rows, groups, fmt.group_size) @ rot).reshape(rows, -1)
+    xr = rotated_activation(x, w)
     wd = decoded_weight(w, x.dtype)
     if bias is None:
         return xr @ wd.t()
