@@ -21,13 +21,16 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
     return weight.to(device), x.to(device=device, dtype=dtype)
 
 
-@pytest.mark.parametrize("mode", ["in-kernel", "pre-rotated", "fma"])
+@pytest.mark.parametrize("mode", ["register-tile", "in-kernel", "pre-rotated", "fma"])
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
                                           (48, 576, 3)])
 def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, mode, device, monkeypatch):
-    """Every way the launcher can run the product: the activation rotated inside the kernel or by its own launch
-    first, and the product by multiply-adds for a few rows."""
+    """Every way the launcher can run the product: the register-tile kernel (GPUs), the Triton kernel with the
+    activation rotated inside it or by its own launch first, and the product by multiply-adds for a few rows."""
+    if mode == "register-tile" and device != "cuda":
+        pytest.skip("the register-tile kernel runs PTX the interpreter cannot")
+    monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", FUSED_MAX_ROWS if mode == "register-tile" else 0)
     monkeypatch.setattr(linear_ops, "ROTATE_IN_KERNEL", mode == "in-kernel")
     monkeypatch.setattr(linear_ops, "FMA_MAX_ROWS", 4 if mode == "fma" else 0)
     weight, x = _case(out, inp, rows, out + inp + rows, device)
@@ -121,6 +124,7 @@ def on_launch(launch):
 
 sm90_probe.install(on_launch)
 
+from turboquant_core.ops import linear as linear_ops
 from turboquant_core.ops.linear import FUSED_MAX_ROWS, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight
 
@@ -129,14 +133,19 @@ for fmt in ("tq4", "tq3"):
         w = quantize_weight(torch.randn(64, 2048), fmt)
         for rows in (3, 40, FUSED_MAX_ROWS + 1):  # one tile of 16 split, one of 64 split, the decoded weight
             tq_linear(torch.randn(rows, 2048, dtype=dtype), w)
+linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel, 8 and 16 columns
+for fmt in ("tq4", "tq3"):
+    w = quantize_weight(torch.randn(64, 2048), fmt)
+    for rows in (3, 16):
+        tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
 '''
 
 
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
-    """Every variant (both formats and activation types, 16 and 64 rows per program, the decoded weight)
-    compiles for sm_90, the register codebook lookups the interpreter cannot run included, with no register
-    spills."""
+    """Every variant (both formats and activation types, 16 and 64 rows per program, the decoded weight, the
+    register-tile kernel and its rotation) compiles for sm_90, the register codebook lookups the interpreter
+    cannot run included, with no register spills."""
     import os
     import subprocess
     import sys
@@ -148,7 +157,8 @@ def test_kernel_compiles_for_sm90_without_spills():
     if p.returncode != 0:
         pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
     res = [line.split() for line in p.stdout.strip().splitlines()]
-    want = ["tq_linear_kernel", "tq_linear_kernel", "tq_dequant_kernel"] * 4
+    want = ["tq_linear_kernel", "tq_linear_kernel", "tq_rotate_kernel", "tq_dequant_kernel"] * 4
+    want += ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 4
     assert [r[0] for r in res] == want, res
     assert all(int(stack) == 0 for _, _, stack, _ in res), res
 

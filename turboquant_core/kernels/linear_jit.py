@@ -160,6 +160,30 @@ def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLO
 
 
 @triton.jit
+def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, stride_xq, stride_xs,
+                          BLOCK_B: tl.constexpr):
+    """For ``linear_mma_jit``: XQ fp16 [num_rows, groups * 128] and XS fp32 [num_rows, groups] such that
+    XS * XQ = R x per group (R the format's rotation; ROT [128, 128] in X's type the unnormalised rotation, +-1,
+    its columns in the MMA kernel's K order), XQ scaled by a power of two per (row, group) into [-2^14, 2^14]:
+    fp16 keeps its 11 bits there whatever the activation's range. BLOCK_B rows (program 0), one group
+    (program 1)."""
+    bs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    gi = tl.program_id(1)
+    d = tl.arange(0, GROUP)
+    col = gi * GROUP + d
+    b_mask = bs < num_rows
+    x = tl.load(X + bs.to(tl.int64)[:, None] * stride_x + col[None, :],
+                mask=b_mask[:, None] & (col < in_features)[None, :], other=0.0)
+    rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
+    xr = _dot(x, rot)  # sqrt(128) R x, exact products, fp32 sums
+    amax = tl.max(tl.abs(xr), axis=1)
+    scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
+    tl.store(XQ + bs.to(tl.int64)[:, None] * stride_xq + col[None, :], (xr / scale[:, None]).to(tl.float16),
+             mask=b_mask[:, None])
+    tl.store(XS + bs.to(tl.int64) * stride_xs + gi, scale * 0.08838834764831845, mask=b_mask)  # / sqrt(128)
+
+
+@triton.jit
 def tq_dequant_kernel(W, S, TABLE, OUT, out_features, groups, stride_out, BITS: tl.constexpr, BLOCK_O: tl.constexpr):
     """OUT [out, groups * 128] (OUT's type, rows stride_out apart) = sqrt(2) * s * c[idx] of group (program 1) for
     BLOCK_O rows (program 0), in kernel order."""

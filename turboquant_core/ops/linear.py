@@ -33,6 +33,8 @@ MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this n
 DEQUANT_BLOCK_O = 32
 ROTATE_IN_KERNEL = True  # False: one more launch rotates the activation (tq_rotate_kernel) for the product to read
 FMA_MAX_ROWS = 0  # up to this many rows, the product by multiply-adds instead of tensor cores (pre-rotated input)
+MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit), 8 or 16 per program
+MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 
 
 def block_rows(rows: int) -> int:
@@ -108,7 +110,9 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
     x2 = x.reshape(rows, w.in_features).to(_compute_dtype(x))
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if rows <= FUSED_MAX_ROWS:
+    if rows <= MMA_MAX_ROWS and _gluon_runs(str(x2.device)):
+        y = _mma_product(x2, w, bias)
+    elif rows <= FUSED_MAX_ROWS:
         y = _fused_product(x2, w, bias)
     else:
         y = _decoded_product(x2, w, bias)
@@ -156,6 +160,65 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
     tq_rotate_kernel[(triton.cdiv(rows, 16), groups)](x, rotation_operand(fmt.name, str(x.device), x.dtype), xr,
                                                      rows, w.in_features, x.stride(0), xr.stride(0), BLOCK_B=16)
     return xr
+
+
+@functools.lru_cache(maxsize=32)
+def mma_rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """M [128, 128] in ``dtype``, entries +-1: x_g @ M is sqrt(128) R x_g with its coordinates in the register-tile
+    kernel's K order (``ops.paged_decode.decode_key_order``)."""
+    from .paged_decode import decode_key_order
+
+    fmt = get_weight_format(fmt_name)
+    gs = fmt.group_size
+    m = fwht(torch.eye(gs) * hadamard_signs(gs, fmt.seed))[:, decode_key_order(gs)]
+    return m.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _codebook_words(fmt_name: str) -> tuple[int, ...]:
+    from .paged_decode import codebook_permute_words
+
+    return codebook_permute_words(_codebook(fmt_name, "cpu").half())
+
+
+def _gluon_runs(device: str) -> bool:
+    from .paged_decode import _gluon_runs as runs
+
+    return runs(device)
+
+
+def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    from ..kernels.linear_jit import tq_rotate_fp16_kernel
+    from ..kernels.linear_mma_jit import tq_linear_mma_kernel
+    from .paged_attention import _sm_count
+
+    fmt = w.fmt
+    rows, dev = x.shape[0], str(x.device)
+    groups = fmt.groups(w.in_features)
+    xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
+    xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    tq_rotate_fp16_kernel[(triton.cdiv(rows, 16), groups)](
+        x, mma_rotation_operand(fmt.name, dev, x.dtype), xq, xs, rows, w.in_features, x.stride(0), xq.stride(0),
+        xs.stride(0), BLOCK_B=16)
+    nq = 8 if rows <= 8 else 16
+    grid_o, grid_b = triton.cdiv(w.out_features, 16), triton.cdiv(rows, nq)
+    tiles = grid_o * grid_b
+    splits = 1
+    if tiles <= MAX_SPLIT_TILES:
+        splits = max(1, min(triton.cdiv(MMA_PROGRAMS_PER_SM * _sm_count(dev), tiles), groups // MIN_GROUPS_PER_SPLIT))
+    per_split = triton.cdiv(groups, splits)
+    splits = triton.cdiv(groups, per_split)
+    y = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
+    if splits > 1:
+        part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
+        counters = _split_counters(dev, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    else:
+        part = counters = y  # not read
+    tq_linear_mma_kernel[(grid_o, grid_b, splits)](
+        xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
+        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, NQ=nq,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
+    return y
 
 
 def decoded_weight(w: TQWeight, dtype: torch.dtype) -> torch.Tensor:

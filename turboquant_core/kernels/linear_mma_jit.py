@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Linear layers over TurboQuant weights with the decoded weight tile built in tensor-core registers (Gluon; jit
+only, launcher: ``ops.linear``).
+
+The weight plays the part the keys play in the register-tile decode attention (``paged_decode_jit``): one warp
+takes BN = 16 output rows, and per group of 128 inputs loads the rows' packed planes straight into the threads
+whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a register codebook
+and multiplies the [16, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32
+accumulators): no shared memory, no layout conversion. The activation, up to NQ = 8 or 16 rows per program as
+the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
+this kernel's K order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group).
+Each group's product is scaled by the rows' group scales and the columns' activation scales and added to fp32
+accumulators. Split-K as ``linear_jit.tq_linear_kernel``: partial sums summed by the last program of a tile.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
+
+
+@gluon.jit
+def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl.constexpr):
+    if HAS_BIAS:
+        acc = acc + gl.load(BIAS + rows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
+    ptr = Y + cols.to(gl.int64)[None, :] * stride_y + rows[:, None]
+    gl.store(ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@gluon.jit(do_not_specialize=["num_rows"])
+def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
+                         stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
+                         BITS: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+    """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
+    [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's byte-permute words;
+    Y [num_rows, out]. Program (o, b, k): output rows 16 o.., activation rows NQ b.., groups k * groups_per_split..
+    (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a
+    tile's programs (COUNT int32, one zero per tile) adding them into Y."""
+    BN: gl.constexpr = 16
+    DP: gl.constexpr = 128
+    GR: gl.constexpr = 4
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    kw_l: gl.constexpr = key_word_layout(DP, BN)
+    kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+
+    pid_o = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    g0 = pid_k * groups_per_split
+    g1 = gl.minimum(g0 + groups_per_split, groups)
+    group_bytes: gl.constexpr = 16 * BITS
+
+    # Plane loads: rows past the layer read its last row (their products are never stored).
+    prow = gl.minimum(pid_o * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, kp_l)), out_features - 1)
+    prow_off = (prow.to(gl.int64) * groups * group_bytes)[:, None]
+    kgofs = (gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * GR)[None, :]
+    rows = pid_o * BN + gl.arange(0, BN, layout=row_l)
+    row_ok = rows < out_features
+    srow = gl.minimum(rows, out_features - 1).to(gl.int64) * groups
+    cols = pid_b * NQ + gl.arange(0, NQ, layout=col_l)
+    col_ok = cols < num_rows
+    xcol = gl.minimum(cols, num_rows - 1).to(gl.int64) * stride_xs
+    qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))
+    qc = pid_b * NQ + gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
+    xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
+
+    acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
+    for gi in range(g0, g1):
+        p0, p1, p2, p3 = _load_planes(W + gi * group_bytes, prow_off, kgofs, 16, BITS, GR)
+        kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
+        kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)  # [BN, 4, GR, 2, 2, 2]
+        kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)
+        xq = gl.load(xq_ptr + gi * DP)
+        part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
+        ws = gl.load(S + srow + gi).to(gl.float32)
+        xs = gl.load(XS + xcol + gi)
+        acc = acc + part * ws[:, None] * xs[None, :]
+
+    if SPLIT:
+        splits = gl.num_programs(2)
+        ok = row_ok[:, None] & col_ok[None, :]
+        part_ptr = PART + cols.to(gl.int64)[None, :] * out_features + rows[:, None]
+        plane = num_rows.to(gl.int64) * out_features
+        gl.store(part_ptr + pid_k.to(gl.int64) * plane, acc, mask=ok)
+        gl.thread_barrier()  # every lane's partial sums are written before the release below
+        tile = pid_o * gl.num_programs(1) + pid_b
+        arrived = gl.atomic_add(COUNT + tile, 1)  # acq_rel at GPU scope
+        if arrived == splits - 1:
+            total = gl.zeros([BN, NQ], gl.float32, layout=mma)
+            for k in range(0, splits):
+                total += gl.load(part_ptr + k * plane, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(COUNT + tile, 0)
+            _store_rows(total, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
+    else:
+        _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
