@@ -9,8 +9,8 @@ weights are read at against the GPU's copy bandwidth.
 
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
 variant sets launcher constants of ``ops.linear`` (block_o, programs_per_sm, num_warps, num_stages,
-fused_max_rows, rotate_in_kernel, fma_max_rows, mma_max_rows, mma_programs_per_sm) for the study of its choices;
-the default variant is the shipped one.
+fused_max_rows, rotate_in_kernel, fma_max_rows, mma_max_rows, mma_programs_per_sm, mma_block_o) for the study
+of its choices; the default variant is the shipped one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERME
           "down": (HIDDEN, INTERMEDIATE)}
 KNOBS = {"block_o": "BLOCK_O", "programs_per_sm": "PROGRAMS_PER_SM", "num_warps": "NUM_WARPS",
          "num_stages": "NUM_STAGES", "fused_max_rows": "FUSED_MAX_ROWS", "rotate_in_kernel": "ROTATE_IN_KERNEL",
-         "fma_max_rows": "FMA_MAX_ROWS", "mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM"}
+         "fma_max_rows": "FMA_MAX_ROWS", "mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM",
+         "mma_block_o": "MMA_BLOCK_O"}
 
 
 def parse_variant(text: str) -> dict[str, int]:

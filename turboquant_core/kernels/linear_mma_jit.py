@@ -3,10 +3,10 @@
 only, launcher: ``ops.linear``).
 
 The weight plays the part the keys play in the register-tile decode attention (``paged_decode_jit``): one warp
-takes BN = 16 output rows, and per group of 128 inputs loads the rows' packed planes straight into the threads
-whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a register codebook
-and multiplies the [16, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32
-accumulators): no shared memory, no layout conversion. The activation, up to NQ = 8 or 16 rows per program as
+takes BN output rows (BN / 16 MMA row tiles), and per group of 128 inputs loads the rows' packed planes straight
+into the threads whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a
+register codebook and multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32
+accumulators): no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per program as
 the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
 this kernel's K order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group).
 Each group's product is scaled by the rows' group scales and the columns' activation scales and added to fp32
@@ -31,13 +31,14 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
-                         BITS: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+                         BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         SPLIT: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's byte-permute words;
-    Y [num_rows, out]. Program (o, b, k): output rows 16 o.., activation rows NQ b.., groups k * groups_per_split..
+    Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each
+    activation tile), activation rows NQ b.., groups k * groups_per_split..
     (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a
     tile's programs (COUNT int32, one zero per tile) adding them into Y."""
-    BN: gl.constexpr = 16
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -70,8 +71,11 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
+    # The next group's planes are loaded before this group's are decoded: two loads in flight per warp.
+    n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
     for gi in range(g0, g1):
-        p0, p1, p2, p3 = _load_planes(W + gi * group_bytes, prow_off, kgofs, 16, BITS, GR)
+        p0, p1, p2, p3 = n0, n1, n2, n3
+        n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
         kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
         kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)  # [BN, 4, GR, 2, 2, 2]
         kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)

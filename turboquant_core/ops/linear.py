@@ -33,8 +33,21 @@ MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this n
 DEQUANT_BLOCK_O = 32
 ROTATE_IN_KERNEL = True  # False: one more launch rotates the activation (tq_rotate_kernel) for the product to read
 FMA_MAX_ROWS = 0  # up to this many rows, the product by multiply-adds instead of tensor cores (pre-rotated input)
-MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit), 8 or 16 per program
+MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit)
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
+MMA_MIN_GROUPS_PER_SPLIT = 2
+MMA_BLOCK_O = 64  # output rows per program (one warp) for up to 16 activation rows
+
+
+def mma_tiles(rows: int) -> tuple[int, int]:
+    """(output rows, activation rows) per program of the register-tile kernel: few activation rows share a taller
+    weight tile (each activation tile is read once per 16 x 4 weight rows); up to 32 per program, then more
+    programs."""
+    if rows <= 8:
+        return MMA_BLOCK_O, 8
+    if rows <= 16:
+        return MMA_BLOCK_O, 16
+    return 32, 32
 
 
 def block_rows(rows: int) -> int:
@@ -200,12 +213,13 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     tq_rotate_fp16_kernel[(triton.cdiv(rows, 16), groups)](
         x, mma_rotation_operand(fmt.name, dev, x.dtype), xq, xs, rows, w.in_features, x.stride(0), xq.stride(0),
         xs.stride(0), BLOCK_B=16)
-    nq = 8 if rows <= 8 else 16
-    grid_o, grid_b = triton.cdiv(w.out_features, 16), triton.cdiv(rows, nq)
+    bn, nq = mma_tiles(rows)
+    grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
     splits = 1
     if tiles <= MAX_SPLIT_TILES:
-        splits = max(1, min(triton.cdiv(MMA_PROGRAMS_PER_SM * _sm_count(dev), tiles), groups // MIN_GROUPS_PER_SPLIT))
+        splits = max(1, min(triton.cdiv(MMA_PROGRAMS_PER_SM * _sm_count(dev), tiles),
+                            groups // MMA_MIN_GROUPS_PER_SPLIT))
     per_split = triton.cdiv(groups, splits)
     splits = triton.cdiv(groups, per_split)
     y = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
@@ -216,8 +230,8 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
         part = counters = y  # not read
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
-        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, NQ=nq,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
+        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
     return y
 
 
