@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Quality suite for KV-cache dtypes on vLLM: perplexity / KL / top-1 vs bf16, NIAH, GSM8K.
+"""Quality suite for KV-cache dtypes and weight quantization on vLLM: perplexity / KL / top-1 vs bf16, NIAH, GSM8K.
 
-One process and one vLLM engine per (model, KV-cache dtype, install); a report per model under
+One process and one vLLM engine per (model, KV-cache dtype, install, weights); a report per model under
 <out>/<model>/<run name>/ (report.json, report.md, plots/, configs/; raw/ keeps logs and logprobs).
 
     python eval/run_quality.py --model /models/smollm2-135m-instruct \\
         --dtypes auto,fp8,turboquant_4bit_nc,turboquant_k3v4_nc --installs stock,patched \\
         --python-path-stock /opt/site-stock --python-path-patched /opt/site \\
         --text data/wikitext2 --gsm8k data/gsm8k --out eval/results
+
+    python eval/run_quality.py --model /models/smollm2-135m-instruct --dtypes auto \\
+        --weights none,fp8,tq4,tq3,rtn4,rtn3 --tasks ppl --text data/wikitext2
 
     python eval/run_quality.py --report-only eval/results/smollm2-135m-instruct/2026-11-24-h200
 
@@ -21,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from tq_eval import report as R  # noqa: E402
 
 RUN_FILE = "run.json"
 RAW_DIR = "raw"
+RTN_DIR = "rtn-models"  # under raw/: the RTN controls' model folders, unless --rtn-dir says elsewhere
 SECONDS_PER_CONFIG = 55  # eager engine start (~30-45 s) + tasks at the default sizes, tiny models
 
 
@@ -47,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-name", action="append", default=[], help="report name per --model (default: folder name)")
     g.add_argument("--dtypes", default=None, help="comma list of KV-cache dtypes (default: auto, fp8, every "
                    "turboquant_* preset); 'bf16' means 'auto'")
+    g.add_argument("--weights", default="none",
+                   help="comma list of: none, fp8, tq4, tq3, rtn4, rtn3 (default: none); each name but none is one "
+                   "config with KV dtype auto on patched; rtn* is the round-to-nearest control at tq's group size "
+                   "and bytes; 'bf16' means 'none'")
+    g.add_argument("--rtn-dir", default=None,
+                   help="where the RTN controls' model folders are written and reused, one per (model, bits) "
+                   f"(default: the run's {RAW_DIR}/{RTN_DIR}/)")
     g.add_argument("--installs", default="patched", help="comma list of: stock, patched (default: patched)")
     g.add_argument("--baseline-installs", default=None,
                    help="installs that run auto/fp8 (default: patched if requested, else the first install)")
@@ -121,6 +132,31 @@ def rebuild_report(run_dir: Path, plots: bool = True) -> list[Path]:
     return R.write_report(json.loads(rp.read_text()), run_dir, None, plots=plots)
 
 
+def write_rtn_controls(plan: list[C.RunConfig], rtn_dirs: dict[str, Path], skipped: list[dict]) -> list[C.RunConfig]:
+    """Write (or reuse) the fake-quantized model folder of every RTN config and point the config at it; a config
+    whose folder cannot be written is left out of the plan and listed in ``skipped`` with the reason."""
+    out = []
+    for c in plan:
+        bits = C.rtn_bits(c.weights)
+        if bits is None:
+            out.append(c)
+            continue
+        dest = C.rtn_folder(rtn_dirs[c.model.name], c.model, c.weights)
+        try:
+            from tq_eval.rtn import write_rtn_folder
+
+            folder = write_rtn_folder(c.model.path, dest, bits)
+        except (ImportError, OSError, RuntimeError, ValueError) as e:
+            skipped.append({"model": c.model.name, "dtype": c.dtype, "install": c.install, "weights": c.weights,
+                            "reason": f"RTN control not written: {type(e).__name__}: {e}"})
+            print(f"[tq-eval] {c.model.name} {c.weights}: RTN control not written: {e}", flush=True)
+            continue
+        print(f"[tq-eval] {c.model.name} {c.weights}: {'wrote' if folder.built else 'reusing'} {dest} "
+              f"({len(folder.quantized)} tensors rounded)", flush=True)
+        out.append(replace(c, served_path=str(dest)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_only:
@@ -134,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give --model-name once per --model, or not at all")
     try:
         dtypes = C.parse_dtypes(args.dtypes or _default_dtypes())
+        weights = C.parse_weights(args.weights)
         installs = C.parse_installs(args.installs)
         baseline_installs = C.parse_installs(args.baseline_installs) if args.baseline_installs else None
         niah_lengths = None if args.niah_lengths == "auto" else C.parse_int_list(args.niah_lengths, "--niah-lengths")
@@ -183,24 +220,35 @@ def main(argv: list[str] | None = None) -> int:
                     f"--prefill-chunk 0 prefills a prompt in one step, so --max-num-batched-tokens "
                     f"({engine.max_num_batched_tokens}) must cover the context length ({limit}, {m.name}); "
                     f"raise it or cap --max-model-len")
-    plan, skipped = C.plan_configs(models, dtypes, installs, baseline_installs)
+    plan, skipped = C.plan_configs(models, dtypes, installs, baseline_installs, weights)
     run_name = args.run_name or datetime.now(timezone.utc).strftime("%Y-%m-%d")
     run_dirs = {m.name: Path(args.out) / m.name / run_name for m in models}
+    rtn_dirs = {m.name: Path(args.rtn_dir) if args.rtn_dir else run_dirs[m.name] / RAW_DIR / RTN_DIR for m in models}
+    for m in models:
+        if any(c.weights != C.NO_WEIGHTS for c in plan if c.model == m) and not any(
+                c.model == m and c.dtype == C.REFERENCE_DTYPE and c.weights == C.NO_WEIGHTS for c in plan):
+            notes.append(f"{m.name}: weight configs without the bf16 run (KV dtype auto, weights none) have no "
+                         "reference; add auto to --dtypes")
     est = SECONDS_PER_CONFIG * len(plan) / max(1, args.parallel)
     print(f"[tq-eval] {len(plan)} configs, about {est / 60:.1f} min at ~{SECONDS_PER_CONFIG} s each "
           f"(parallel {args.parallel})", flush=True)
     for c in plan:
-        print(f"  {c.model.name:32s} {c.install:8s} {c.dtype}")
+        weights = "" if c.weights == C.NO_WEIGHTS else f"  weights {c.weights}"
+        if C.rtn_bits(c.weights) is not None:
+            weights += f" ({C.rtn_folder(rtn_dirs[c.model.name], c.model, c.weights)})"
+        print(f"  {c.model.name:32s} {c.install:8s} {c.dtype}{weights}")
     for n in notes:
         print(f"[tq-eval] note: {n}")
     if args.dry_run:
         return 0
+    plan = write_rtn_controls(plan, rtn_dirs, skipped)
     settings = {"engine": asdict(engine), "tasks": asdict(tasks), "installs": installs,
                 "python_paths": paths, "argv": sys.argv[1:] if argv is None else argv}
     for m in models:
         d = run_dirs[m.name]
         (d / RAW_DIR).mkdir(parents=True, exist_ok=True)
-        meta = {"model": asdict(m), "settings": settings,
+        meta = {"model": asdict(m),
+                "settings": {**settings, "weights": {"names": weights, "rtn_dir": str(rtn_dirs[m.name])}},
                 "not_run": [s for s in skipped if s["model"] == m.name],
                 "plan": [c.id for c in plan if c.model.name == m.name], "notes": notes}
         (d / RUN_FILE).write_text(json.dumps(meta, indent=1))

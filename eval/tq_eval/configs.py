@@ -1,9 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What one quality run is made of: (model, KV-cache dtype, install) configs and their settings.
+"""What one quality run is made of: (model, KV-cache dtype, install, weights) configs and their settings.
 
 An *install* is a Python path holding a vLLM build: ``stock`` (unpatched vLLM 0.26.0) or
 ``patched`` (this fork's patch series applied). Each config runs in its own process with that
 install first on PYTHONPATH, one vLLM engine for all tasks.
+
+*Weights* say how the linear weights are served: ``none`` (the checkpoint as it is, bf16), vLLM's online
+``fp8``, ``tq4``/``tq3`` (this fork's ``--quantization``), or ``rtn4``/``rtn3``, the round-to-nearest control
+at tq's group size and bytes (``tq_eval.rtn``), served as a fake-quantized copy of the model folder. The
+KV-cache dtype configs keep weights ``none``; each other weights name is one config, KV dtype ``auto``, patched.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ ALIASES = {"bf16": "auto", "bfloat16": "auto"}
 STOCK_TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 # The presets the acceptance check compares between stock and ours.
 ACCEPTANCE_PRESETS = ("turboquant_4bit_nc", "turboquant_k3v4_nc")
+
+NO_WEIGHTS = "none"  # the checkpoint's own weights (bf16 for the models here)
+WEIGHT_ALIASES = {"bf16": "none", "bfloat16": "none"}
+WEIGHT_BASELINES = ("none", "fp8")  # vLLM's own: the checkpoint as it is, online fp8
+RTN_PREFIX = "rtn"
+WEIGHTS_INSTALL = "patched"  # tq3/tq4 exist only there; the other weight configs run beside them
 
 
 def turboquant_names() -> tuple[str, ...]:
@@ -44,6 +55,57 @@ def normalize_dtype(name: str) -> str:
             f"unknown KV-cache dtype {name!r}; valid: {', '.join(valid)} (aliases: {', '.join(ALIASES)})"
         )
     return n
+
+
+def tq_weight_names() -> tuple[str, ...]:
+    from turboquant_core.formats import WEIGHT_FORMATS
+
+    return tuple(WEIGHT_FORMATS)
+
+
+def rtn_name(tq_name: str) -> str:
+    """The RTN control of a tq weight format: same bits, group size and bytes (``tq4`` -> ``rtn4``)."""
+    from turboquant_core.formats import get_weight_format
+
+    return f"{RTN_PREFIX}{get_weight_format(tq_name).bits}"
+
+
+def valid_weights() -> tuple[str, ...]:
+    tq = tq_weight_names()
+    return WEIGHT_BASELINES + tq + tuple(rtn_name(n) for n in tq)
+
+
+def normalize_weights(name: str) -> str:
+    """Canonical weights name; unknown names raise with the list of valid ones."""
+    n = WEIGHT_ALIASES.get(name.strip(), name.strip())
+    valid = valid_weights()
+    if n not in valid:
+        raise ValueError(
+            f"unknown weights {name!r}; valid: {', '.join(valid)} (aliases: {', '.join(WEIGHT_ALIASES)})"
+        )
+    return n
+
+
+def parse_weights(text: str) -> list[str]:
+    out = []
+    for name in (x for x in text.split(",") if x.strip()):
+        n = normalize_weights(name)
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError("no weights given")
+    return out
+
+
+def rtn_bits(weights: str) -> int | None:
+    """Bits of an RTN control (``rtn4`` -> 4), None for any other weights."""
+    return int(weights[len(RTN_PREFIX):]) if weights.startswith(RTN_PREFIX) else None
+
+
+def vllm_quantization(weights: str) -> str | None:
+    """vLLM's ``quantization=`` for these weights: None for the checkpoint as it is and for the RTN control
+    (a plain checkpoint too, only its values are rounded)."""
+    return None if weights == NO_WEIGHTS or rtn_bits(weights) is not None else weights
 
 
 def parse_installs(text: str) -> list[str]:
@@ -152,7 +214,7 @@ class EngineSettings:
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
 
-    def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int) -> dict:
+    def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int, quantization: str | None = None) -> dict:
         kw = dict(
             model=model_path,
             tokenizer=model_path,
@@ -168,6 +230,8 @@ class EngineSettings:
             enable_flashinfer_autotune=False,
             seed=self.seed,
         )
+        if quantization:
+            kw["quantization"] = quantization
         if self.max_model_len:
             kw["max_model_len"] = self.max_model_len
         if self.kv_cache_gib > 0:
@@ -205,18 +269,35 @@ class TaskSettings:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One engine: a model, a KV-cache dtype and an install."""
+    """One engine: a model, a KV-cache dtype, an install and how the weights are served."""
 
     model: ModelInfo
     dtype: str
     install: str
+    weights: str = NO_WEIGHTS
+    # The folder vLLM loads where it is not the model's own: the RTN control's fake-quantized copy.
+    served_path: str | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.install}__{self.dtype}"
+        # Weights "none" keeps the id of the runs that had no weight axis, so their reports stay comparable.
+        base = f"{self.install}__{self.dtype}"
+        return base if self.weights == NO_WEIGHTS else f"{base}__weights-{self.weights}"
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "dtype": self.dtype, "install": self.install, "model": asdict(self.model)}
+        return {"id": self.id, "dtype": self.dtype, "install": self.install, "weights": self.weights,
+                "served_path": self.served_path, "model": asdict(self.model)}
+
+
+def rtn_folder(base: Path, model: ModelInfo, weights: str) -> Path:
+    """Where the RTN control ``weights`` of ``model`` is written under ``base`` (one folder per model and bits)."""
+    return Path(base) / f"{model.name}__{weights}"
+
+
+def weights_rank(weights: str) -> int:
+    """Order of plans and reports: none, tq4, rtn4, tq3, rtn3, ..., fp8 (each tq format next to its control)."""
+    order = [NO_WEIGHTS] + [n for tq in tq_weight_names() for n in (tq, rtn_name(tq))] + ["fp8"]
+    return order.index(weights) if weights in order else len(order)
 
 
 def plan_configs(
@@ -224,20 +305,22 @@ def plan_configs(
     dtypes: list[str],
     installs: list[str],
     baseline_installs: list[str] | None = None,
+    weights: list[str] | None = None,
 ) -> tuple[list[RunConfig], list[dict]]:
     """The configs to run, most informative first, and the (dtype, install) pairs left out, why.
 
     Baselines (auto, fp8*) run on ``baseline_installs`` only (default: patched if requested,
     else the first install): the patch series does not touch them. Stock runs only the four
-    presets stock vLLM 0.26 knows. Order per model: the bf16 reference, the acceptance presets
-    (ours, then stock), the other baselines, then the rest -- so a run cut short keeps what the
-    report needs most.
+    presets stock vLLM 0.26 knows. Every name in ``weights`` but ``none`` adds one config: KV dtype
+    ``auto``, install patched. Order per model: the bf16 reference, the acceptance presets
+    (ours, then stock), the weight configs (each tq format next to its RTN control), the other
+    baselines, then the rest -- so a run cut short keeps what the report needs most.
     """
     if baseline_installs is None:
         baseline_installs = ["patched"] if "patched" in installs else installs[:1]
     plans, skipped = [], []
     for m in models:
-        cfgs = []
+        cfgs = [RunConfig(m, REFERENCE_DTYPE, WEIGHTS_INSTALL, weights=w) for w in weights or () if w != NO_WEIGHTS]
         for d in dtypes:
             for inst in installs:
                 if d in BASELINE_DTYPES and inst not in baseline_installs:
@@ -250,14 +333,16 @@ def plan_configs(
                 cfgs.append(RunConfig(m, d, inst))
 
         def rank(c: RunConfig) -> tuple:
+            if c.weights != NO_WEIGHTS:
+                return (2, weights_rank(c.weights), 0)
             if c.dtype == REFERENCE_DTYPE:
                 group = 0
             elif c.dtype in ACCEPTANCE_PRESETS:
                 group = 1
             elif c.dtype in BASELINE_DTYPES:
-                group = 2
-            else:
                 group = 3
+            else:
+                group = 4
             return (group, ACCEPTANCE_PRESETS.index(c.dtype) if group == 1 else 0, INSTALLS.index(c.install) * -1)
 
         plans.extend(sorted(cfgs, key=rank))

@@ -16,10 +16,34 @@ from tq_eval.configs import safe_name  # noqa: E402
 
 INSTALL_LABEL = {"patched": "ours", "stock": "stock"}
 INSTALL_COLOR = {"patched": "#1f77b4", "stock": "#d62728"}
+# Weight rows (KV dtype auto, the weights quantized): TurboQuant green, the RTN control and fp8 grey.
+WEIGHTS_COLOR = {"tq": "#2ca02c", "other": "#7f7f7f"}
+
+
+def _weights(row: dict) -> str:
+    return row.get("weights") or "none"  # reports written before the weight axis have none
 
 
 def _label(row: dict) -> str:
+    if _weights(row) != "none":
+        return f"weights {_weights(row)}, KV {row['dtype']} ({INSTALL_LABEL.get(row['install'], row['install'])})"
     return f"{row['dtype']} ({INSTALL_LABEL.get(row['install'], row['install'])})"
+
+
+def _color(row: dict) -> str:
+    w = _weights(row)
+    if w != "none":
+        return WEIGHTS_COLOR["tq" if w.startswith("tq") else "other"]
+    return INSTALL_COLOR.get(row["install"], "gray")
+
+
+def _is_reference(row: dict) -> bool:
+    return row["dtype"] == "auto" and _weights(row) == "none"
+
+
+def heatmap_name(row: dict) -> str:
+    w = _weights(row)
+    return f"niah_{safe_name(row['dtype'])}_{row['install']}" + (f"_weights-{safe_name(w)}" if w != "none" else "")
 
 
 def niah_heatmap(row: dict, model_name: str, path: Path) -> Path:
@@ -49,12 +73,12 @@ def niah_heatmap(row: dict, model_name: str, path: Path) -> Path:
 
 
 def dppl_kl_bars(rows: list[dict], model_name: str, path: Path) -> Path | None:
-    missing = [r for r in rows if r.get("dppl_pct") is None and r["dtype"] != "auto"]
-    rows = [r for r in rows if r.get("dppl_pct") is not None and r["dtype"] != "auto"]
+    missing = [r for r in rows if r.get("dppl_pct") is None and not _is_reference(r)]
+    rows = [r for r in rows if r.get("dppl_pct") is not None and not _is_reference(r)]
     if not rows:
         return None
     labels = [_label(r) for r in rows]
-    colors = [INSTALL_COLOR.get(r["install"], "gray") for r in rows]
+    colors = [_color(r) for r in rows]
     y = np.arange(len(rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.38 * len(rows) + 1.6), sharey=True)
     for ax, key, title in ((axes[0], "dppl_pct", "perplexity increase vs bf16 (%)"),
@@ -68,7 +92,8 @@ def dppl_kl_bars(rows: list[dict], model_name: str, path: Path) -> Path | None:
             ax.text(v, yi, f" {v:.3g}", va="center", fontsize=7)
     axes[0].set_yticks(y, labels, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"{model_name}: KV-cache quality vs bf16 (lower is better)", fontsize=11)
+    what = "KV-cache and weight" if any(_weights(r) != "none" for r in rows) else "KV-cache"
+    fig.suptitle(f"{model_name}: {what} quality vs bf16 (lower is better)", fontsize=11)
     fig.tight_layout()
     if missing:
         fig.subplots_adjust(bottom=max(0.12, 0.5 / (len(rows) + 2)))
@@ -85,7 +110,7 @@ def niah_by_length(rows: list[dict], model_name: str, path: Path) -> Path | None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     # One colour per dtype (stock and ours of a dtype differ by line style only); tab20 so that a full
     # suite's 15 lines do not repeat tab10's colours.
-    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    dtypes = list(dict.fromkeys((r["dtype"], _weights(r)) for r in rows))
     palette = plt.get_cmap("tab20")
     for r in rows:
         items = sorted((int(k), v["acc"]) for k, v in r["niah"]["by_length"].items() if v["acc"] is not None)
@@ -93,8 +118,8 @@ def niah_by_length(rows: list[dict], model_name: str, path: Path) -> Path | None
             continue
         xs, ys = zip(*items)
         style = "--" if r["install"] == "stock" else "-"
-        lw = 2.5 if r["dtype"] == "auto" else 1.2
-        ax.plot(xs, ys, style, marker="o", lw=lw, ms=3, color=palette(dtypes.index(r["dtype"]) % 20),
+        lw = 2.5 if _is_reference(r) else 1.2
+        ax.plot(xs, ys, style, marker="o", lw=lw, ms=3, color=palette(dtypes.index((r["dtype"], _weights(r))) % 20),
                 label=_label(r))
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
@@ -120,5 +145,5 @@ def render_all(report: dict, plots_dir: Path) -> list[Path]:
             out.append(p)
     for row in report["rows"]:
         if row.get("niah") and row["niah"]["cells"]:
-            out.append(niah_heatmap(row, name, plots_dir / f"niah_{safe_name(row['dtype'])}_{row['install']}.png"))
+            out.append(niah_heatmap(row, name, plots_dir / f"{heatmap_name(row)}.png"))
     return out

@@ -3,8 +3,8 @@
 
 Two steps, so plots can be redrawn anywhere from report.json alone:
 - ``summarize(model, raw_dir, ...)`` reads ``raw/<config>/result.json`` and the perplexity
-  logprobs, computes dPPL / KL / top-1 agreement against the bf16 ("auto") config, the acceptance
-  checks, and returns the report dict;
+  logprobs, computes dPPL / KL / top-1 agreement against the bf16 config (KV dtype "auto", weights
+  "none"), the acceptance checks, and returns the report dict;
 - ``write_report(report, out_dir)`` writes report.json, report.md, configs/<id>.json (each
   config's result without bulky records) and plots/*.png.
 """
@@ -17,7 +17,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tq_eval import capacity
-from tq_eval.configs import ACCEPTANCE_PRESETS, BASELINE_DTYPES, INSTALLS, REFERENCE_DTYPE, prefill_label
+from tq_eval.configs import (
+    ACCEPTANCE_PRESETS,
+    BASELINE_DTYPES,
+    INSTALLS,
+    NO_WEIGHTS,
+    REFERENCE_DTYPE,
+    WEIGHTS_INSTALL,
+    prefill_label,
+    rtn_bits,
+    rtn_name,
+    weights_rank,
+)
 from tq_eval.logprob_metrics import PromptLogprobs, compare, perplexity
 from tq_eval.niah import summarize as summarize_niah
 
@@ -25,6 +36,8 @@ SCHEMA = "tq-eval-report/1"
 REPORT_JSON, REPORT_MD, PLOTS_DIR, CONFIGS_DIR = "report.json", "report.md", "plots", "configs"
 NIAH_REFERENCE_MIN_ACC = 0.9
 NIAH_SIGNIFICANCE = 0.05  # one-sided Fisher exact test level of niah_shortfall_beyond_noise
+# Largest perplexity increase vs bf16 (%) each TurboQuant weight format is accepted with.
+WEIGHT_DPPL_BUDGET_PCT = {"tq4": 3.0, "tq3": 10.0}
 
 KL_NOTE = (
     "KL(bf16 || dtype) is a top-K estimate: vLLM returns only the top-K prompt logprobs, so the "
@@ -50,6 +63,12 @@ def niah_shortfall_p(ref: dict, got: dict) -> float:
     total, k = n1 + n2, k1 + k2
     denom = math.comb(total, n2)
     return sum(math.comb(k, x) * math.comb(total - k, n2 - x) for x in range(max(0, n2 - (total - k)), k2 + 1)) / denom
+
+
+def weights_of(item: dict) -> str:
+    """The weights name of a config or a row; results and reports written before the weight axis have none:
+    the model's own weights."""
+    return item.get("weights") or NO_WEIGHTS
 
 
 def _dtype_order(dtype: str) -> tuple[int, int, str]:
@@ -86,9 +105,11 @@ def _load_logprobs(result: dict) -> PromptLogprobs | None:
 
 
 def _references(results: list[dict]) -> dict[str, dict]:
-    """bf16 reference per install: the install's own "auto" run, else the other install's."""
+    """bf16 reference per install: the install's own "auto" run with the model's own weights, else the other
+    install's (a weight config runs with KV dtype "auto" too, and is measured against the reference)."""
     refs = {r["config"]["install"]: r for r in results
-            if r["config"]["dtype"] == REFERENCE_DTYPE and _load_logprobs(r) is not None}
+            if r["config"]["dtype"] == REFERENCE_DTYPE and weights_of(r["config"]) == NO_WEIGHTS
+            and _load_logprobs(r) is not None}
     fallback = refs.get("patched") or next(iter(refs.values()), None)
     return {inst: refs.get(inst, fallback) for inst in INSTALLS if refs.get(inst, fallback) is not None}
 
@@ -114,7 +135,8 @@ def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, set
         cfg = r["config"]
         tasks = r.get("tasks") or {}
         row = {
-            "id": cfg["id"], "dtype": cfg["dtype"], "install": cfg["install"], "status": r.get("status"),
+            "id": cfg["id"], "dtype": cfg["dtype"], "install": cfg["install"], "weights": weights_of(cfg),
+            "status": r.get("status"),
             "error": r.get("error"), "task_errors": {k: v["error"] for k, v in tasks.items()
                                                      if isinstance(v, dict) and v.get("error")},
             "vllm_version": (r.get("engine") or {}).get("vllm_version"),
@@ -132,7 +154,8 @@ def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, set
                 try:
                     cmp = compare(ref_lp_cache[ref["config"]["id"]], lp)
                     row.update(
-                        reference=ref["config"]["id"], dppl_pct=cmp["dppl_pct"], kl_mean=cmp["kl_mean"],
+                        reference=ref["config"]["id"], ref_ppl=cmp["ppl_ref"], dppl_pct=cmp["dppl_pct"],
+                        kl_mean=cmp["kl_mean"],
                         kl_median=cmp["kl_median"], kl_p99=cmp["kl_p99"], top1_agree=cmp["top1_agree"],
                         ref_rest_mass_mean=cmp["ref_rest_mass_mean"], topk=cmp["topk"],
                     )
@@ -152,8 +175,11 @@ def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, set
             else capacity.bytes_per_token(cfg["dtype"], mi["head_dim"], mi["num_kv_heads"], mi["num_layers"]),
             "kv_cache_tokens": (r.get("engine") or {}).get("kv_cache_tokens"),
         }
+        row["model_memory_gib"] = (r.get("engine") or {}).get("model_memory_gib")
         rows.append(row)
-    rows.sort(key=lambda x: (x["dtype"] != REFERENCE_DTYPE, _dtype_order(x["dtype"]), INSTALLS.index(x["install"])))
+    # The reference first, then the KV-cache dtypes, then the weight configs.
+    rows.sort(key=lambda x: (not _is_reference(x), weights_rank(x["weights"]),
+                             _dtype_order(x["dtype"]), INSTALLS.index(x["install"])))
     lengths = sorted({int(k) for row in rows if row.get("niah") for k in row["niah"]["by_length"]})
     report = {
         "schema": SCHEMA,
@@ -167,7 +193,7 @@ def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, set
         # The perplexity notes only where some row has perplexity (a NIAH-only run has none).
         "notes": [KL_NOTE, POSITIONS_NOTE] if any(row.get("ppl") is not None for row in rows) else [],
     }
-    report["checks"] = acceptance_checks(rows)
+    report["checks"] = acceptance_checks(rows) + weight_checks(rows)
     # Two bf16 runs (one per install): their difference is the floor below which dPPL/KL differences
     # are engine noise, not the KV-cache format.
     if "stock" in refs and "patched" in refs and refs["stock"] is not refs["patched"]:
@@ -181,8 +207,13 @@ def summarize(model: dict, raw_dir: Path, not_run: list[dict] | None = None, set
     return report
 
 
-def _row(rows: list[dict], dtype: str, install: str) -> dict | None:
-    return next((r for r in rows if r["dtype"] == dtype and r["install"] == install), None)
+def _is_reference(row: dict) -> bool:
+    return row["dtype"] == REFERENCE_DTYPE and weights_of(row) == NO_WEIGHTS
+
+
+def _row(rows: list[dict], dtype: str, install: str, weights: str = NO_WEIGHTS) -> dict | None:
+    return next((r for r in rows if r["dtype"] == dtype and r["install"] == install and weights_of(r) == weights),
+                None)
 
 
 def _gsm8k_se(g: dict, key: str) -> float | None:
@@ -228,7 +259,7 @@ def acceptance_checks(rows: list[dict]) -> list[dict]:
     strong = {L: v["acc"] for L, v in (ref_niah.get("by_length") or {}).items()
               if v["acc"] is not None and v["acc"] >= NIAH_REFERENCE_MIN_ACC}
     for row in rows:
-        if row["install"] != "patched" or not row["dtype"].startswith("turboquant_"):
+        if row["install"] != "patched" or not row["dtype"].startswith("turboquant_") or weights_of(row) != NO_WEIGHTS:
             continue
         c = {"check": "niah_matches_bf16", "dtype": row["dtype"]}
         noise = None
@@ -272,8 +303,57 @@ def acceptance_checks(rows: list[dict]) -> list[dict]:
             band = 2 * math.sqrt(se_r**2 + se**2)
             diff = g[key] - ref_g[key]
             checks.append({"check": f"gsm8k_{key}_within_noise", "dtype": row["dtype"], "install": row["install"],
-                           "result": "pass" if abs(diff) <= band else "fail", "informational": True,
-                           "detail": f"{diff:+.3f} vs bf16 (2 s.e. band {band:.3f})"})
+                           "weights": weights_of(row), "result": "pass" if abs(diff) <= band else "fail",
+                           "informational": True, "detail": f"{diff:+.3f} vs bf16 (2 s.e. band {band:.3f})"})
+    return checks
+
+
+def _why_missing(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    errs = row.get("task_errors") or {}
+    if row.get("ppl") is not None:
+        return f"no comparison with bf16: {errs.get('kl') or 'no bf16 reference run'}"
+    return f"no perplexity: {row.get('error') or errs.get('ppl') or row['status']}"
+
+
+def weight_checks(rows: list[dict]) -> list[dict]:
+    """The weight axis, where the report has weight rows (KV dtype "auto", patched):
+
+    - ``weights_dppl_within_budget``: each TurboQuant weight format's perplexity at most
+      ``WEIGHT_DPPL_BUDGET_PCT`` above bf16 (tq4 +3 %, tq3 +10 %);
+    - ``weights_tq_beats_rtn``: each TurboQuant weight format has a lower perplexity than its round-to-nearest
+      control at the same bits, group size and bytes (``tq_eval.rtn``).
+    """
+    if all(weights_of(r) == NO_WEIGHTS for r in rows):
+        return []
+    checks = []
+    for tq, budget in WEIGHT_DPPL_BUDGET_PCT.items():
+        row = _row(rows, REFERENCE_DTYPE, WEIGHTS_INSTALL, tq)
+        c = {"check": "weights_dppl_within_budget", "dtype": REFERENCE_DTYPE, "install": WEIGHTS_INSTALL,
+             "weights": tq}
+        if row is None or row.get("dppl_pct") is None:
+            c.update(result="not tested", detail=_why_missing(row))
+        else:
+            c.update(result="pass" if row["dppl_pct"] <= budget else "fail", dppl_pct=row["dppl_pct"],
+                     budget_pct=budget,
+                     detail=f"ΔPPL {row['dppl_pct']:+.2f}% vs bf16 (PPL {_f(row.get('ref_ppl'), '.3f')} -> "
+                            f"{row['ppl']:.3f}); budget +{budget:g}%")
+        checks.append(c)
+    for tq in WEIGHT_DPPL_BUDGET_PCT:
+        rtn = rtn_name(tq)
+        mine, control = _row(rows, REFERENCE_DTYPE, WEIGHTS_INSTALL, tq), _row(rows, REFERENCE_DTYPE,
+                                                                              WEIGHTS_INSTALL, rtn)
+        c = {"check": "weights_tq_beats_rtn", "dtype": REFERENCE_DTYPE, "install": WEIGHTS_INSTALL, "weights": tq}
+        if mine is None or mine.get("ppl") is None:
+            c.update(result="not tested", detail=f"{tq}: {_why_missing(mine)}")
+        elif control is None or control.get("ppl") is None:
+            c.update(result="not tested", detail=f"{rtn}: {_why_missing(control)}")
+        else:
+            c.update(result="pass" if mine["ppl"] < control["ppl"] else "fail",
+                     detail=f"PPL {tq} {mine['ppl']:.3f} vs {rtn} {control['ppl']:.3f} (ΔPPL vs bf16 "
+                            f"{_f(mine.get('dppl_pct'), '+.2f')}% vs {_f(control.get('dppl_pct'), '+.2f')}%)")
+        checks.append(c)
     return checks
 
 
@@ -293,13 +373,20 @@ def _len_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _config_label(item: dict) -> str:
+    """`dtype` (install), with the weights where they are not the model's own."""
+    w = weights_of(item)
+    return f"`{item['dtype']}`" + (f" weights `{w}`" if w != NO_WEIGHTS else "") + f" ({item['install']})"
+
+
 def render_markdown(report: dict) -> str:
     m = report["model"]
     s = report.get("settings") or {}
     eng, tk = s.get("engine") or {}, s.get("tasks") or {}
     lengths = report["niah_lengths"]
+    weight_axis = any(weights_of(r) != NO_WEIGHTS for r in report["rows"])
     lines = [
-        f"# KV-cache quality: {m['name']}",
+        f"# {'KV-cache and weight' if weight_axis else 'KV-cache'} quality: {m['name']}",
         "",
         f"Model `{m['name']}` ({m.get('architecture', '?')}: {m['num_layers']} layers, {m['num_kv_heads']} KV heads, "
         f"head_dim {m['head_dim']}). Report created {report['created']}.",
@@ -318,11 +405,19 @@ def render_markdown(report: dict) -> str:
              f"`{tk.get('gsm8k_data')}`." if tk.get("gsm8k_data") else "- GSM8K: not run (no data given)."),
             f"- Engine: enforce_eager={eng.get('enforce_eager')}, KV pool {eng.get('kv_cache_gib')} GiB, "
             f"prefix caching off.",
-            "",
         ]
-    head = (["KV-cache dtype", "install", "status", "PPL", "ΔPPL %", "KL", "top-1 agree"]
+    if weight_axis:
+        names = [w for w in dict.fromkeys(weights_of(r) for r in report["rows"]) if w != NO_WEIGHTS]
+        rtn_dir = (s.get("weights") or {}).get("rtn_dir")
+        rtn = [w for w in names if rtn_bits(w) is not None]
+        lines.append(f"- Weights: {', '.join(f'`{w}`' for w in names)}, each with KV dtype `auto` on patched"
+                     + (f"; {', '.join(rtn)} served as fake-quantized copies of the model folder" if rtn else "")
+                     + (f" (in `{rtn_dir}`)." if rtn and rtn_dir else "."))
+    if tk or weight_axis:
+        lines.append("")
+    head = (["KV-cache dtype", "weights", "install", "status", "PPL", "ΔPPL %", "KL", "top-1 agree"]
             + [f"NIAH {_len_label(n)}" for n in lengths]
-            + ["GSM8K strict", "GSM8K flex", "B/token/head", "KV tokens", "start s"])
+            + ["GSM8K strict", "GSM8K flex", "B/token/head", "KV tokens", "model GiB", "start s"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for row in report["rows"]:
@@ -334,21 +429,24 @@ def render_markdown(report: dict) -> str:
         g = row.get("gsm8k") or {}
         cap = row.get("capacity") or {}
         cells = [
-            f"`{row['dtype']}`", row["install"], status,
+            f"`{row['dtype']}`", f"`{weights_of(row)}`", row["install"], status,
             _f(row.get("ppl"), ".3f"), _f(row.get("dppl_pct"), "+.2f"), _f(row.get("kl_mean"), ".4f"),
             _pct(row.get("top1_agree")),
             *[_pct((niah.get(str(n)) or {}).get("acc")) for n in lengths],
             _f(g.get("strict"), ".3f"), _f(g.get("flexible"), ".3f"),
             _f(cap.get("format_bytes_per_token_per_head"), "d"), _f(cap.get("kv_cache_tokens"), ",d"),
-            _f((row.get("timings") or {}).get("engine_start_s"), ".0f"),
+            _f(row.get("model_memory_gib"), ".3f"), _f((row.get("timings") or {}).get("engine_start_s"), ".0f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "install: `patched` is this fork (ours), `stock` unpatched vLLM. "
-        "ΔPPL % and KL are against the bf16 (`auto`) run; KL is a top-K lower-bound estimate (see notes). "
-        "B/token/head: K+V bytes per token and KV head in this project's format table (stock rows: stock's own "
-        "layout differs, so none is given). KV tokens: vLLM's reported KV-cache capacity for the fixed KV pool.",
+        "weights: `none` the checkpoint's own (bf16), `fp8` vLLM's online fp8, `tq4`/`tq3` TurboQuant "
+        "(`--quantization`), `rtn4`/`rtn3` the round-to-nearest control at tq's group size and bytes. "
+        "ΔPPL % and KL are against the bf16 run (`auto`, weights `none`); KL is a top-K lower-bound estimate (see "
+        "notes). B/token/head: K+V bytes per token and KV head in this project's format table (stock rows: stock's "
+        "own layout differs, so none is given). KV tokens: vLLM's reported KV-cache capacity for the fixed KV pool. "
+        "model GiB: vLLM's reported model memory (the weights as served).",
         "",
     ]
     floor = report.get("bf16_noise_floor") or {}
@@ -365,7 +463,9 @@ def render_markdown(report: dict) -> str:
     for c in report.get("checks", []):
         tag = " (informational)" if c.get("informational") else ""
         who = f" {c['install']}" if c.get("install") else ""
-        lines.append(f"- **{c['result']}** {c['check']}{tag} `{c['dtype']}`{who}: {c.get('detail', '')}")
+        w = weights_of(c)
+        what = f"`{c['dtype']}`" + (f" weights `{w}`" if w != NO_WEIGHTS else "")
+        lines.append(f"- **{c['result']}** {c['check']}{tag} {what}{who}: {c.get('detail', '')}")
     if notes:
         lines += ["", "## Errors", ""]
         for i, row in enumerate(notes, start=1):
@@ -374,10 +474,11 @@ def render_markdown(report: dict) -> str:
                 parts.append(row["error"])
             parts += [f"{k}: {v}" for k, v in (row.get("task_errors") or {}).items()]
             text = " | ".join(p.replace("\n", " ")[:600] for p in parts)
-            lines.append(f"{i}. `{row['dtype']}` ({row['install']}): {text}")
+            lines.append(f"{i}. {_config_label(row)}: {text}")
     if report.get("not_run"):
-        lines += ["", "Not run: " + "; ".join(f"`{x['dtype']}` on {x['install']} ({x['reason']})"
-                                              for x in report["not_run"])]
+        lines += ["", "Not run: " + "; ".join(
+            f"`{x['dtype']}`" + (f" weights `{weights_of(x)}`" if weights_of(x) != NO_WEIGHTS else "")
+            + f" on {x['install']} ({x['reason']})" for x in report["not_run"])]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in report.get("notes", [])]
     plots = report.get("plots") or []
     if plots:

@@ -28,6 +28,7 @@ PROJECT_ROOT = EVAL_DIR.parent
 LOG_FILE = "worker.log"
 SPEC_FILE = "spec.json"
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_MODEL_MEMORY = re.compile(r"Model loading took ([\d.]+) GiB")
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|CUDA|Killed|out of memory)")
 
 
@@ -55,6 +56,16 @@ def kv_cache_tokens_from_log(path: Path) -> int | None:
         return None
     m = _KV_TOKENS.findall(text)
     return int(m[-1].replace(",", "")) if m else None
+
+
+def model_memory_gib_from_log(path: Path) -> float | None:
+    """vLLM's "Model loading took X GiB memory" line: the weights as served (after online quantization)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    m = _MODEL_MEMORY.findall(text)
+    return float(m[-1]) if m else None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -125,6 +136,8 @@ def run_config(
     else:
         engine["kv_cache_tokens"] = kv_cache_tokens_from_log(out / LOG_FILE)
         engine["kv_cache_tokens_from"] = "log" if engine["kv_cache_tokens"] else None
+    if engine.get("model_memory_gib") is None:
+        engine["model_memory_gib"] = model_memory_gib_from_log(out / LOG_FILE)
     if result["status"] != "ok":
         result["log_tail"] = log_tail(out / LOG_FILE)
     result_path.write_text(json.dumps(result, indent=1))

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """One config = one process = one vLLM engine that runs every task: ``python -m tq_eval.worker SPEC``.
 
-SPEC is a JSON file written by ``run_quality.py`` (keys: config, engine, tasks, out_dir). The
+SPEC is a JSON file written by ``run_quality.py`` (keys: config, engine, tasks, out_dir). The config's
+weights pick what vLLM loads: the model folder, with ``quantization=`` for fp8/tq4/tq3, or the RTN control's
+fake-quantized copy (``served_path``, written before the run by ``tq_eval.rtn``) as a plain model. The
 worker writes ``result.json`` in out_dir after every stage (so a crash keeps what finished) and
 ``ppl_logprobs.safetensors`` with the perplexity positions' prompt logprobs; KL against the
 bf16 run is computed later, in the report step. Task order: perplexity, NIAH (short lengths
@@ -26,7 +28,7 @@ import numpy as np
 
 from tq_eval import niah as niah_mod
 from tq_eval import textdata
-from tq_eval.configs import EngineSettings, TaskSettings
+from tq_eval.configs import NO_WEIGHTS, EngineSettings, TaskSettings, rtn_bits, vllm_quantization
 from tq_eval.logprob_metrics import PromptLogprobs, parse_prompt_logprobs, perplexity
 
 RESULT_FILE = "result.json"
@@ -53,10 +55,24 @@ class Recorder:
         tmp.replace(self.path)
 
 
-def build_engine(model_path: str, kv_cache_dtype: str, engine: EngineSettings, topk: int):
+def served_model(cfg: dict) -> tuple[str, str | None]:
+    """(folder vLLM loads, its ``quantization=``) for a config dict; a config written before the weight axis
+    existed has no weights: the model as it is."""
+    weights = cfg.get("weights") or NO_WEIGHTS
+    if rtn_bits(weights) is not None:
+        path = cfg.get("served_path")
+        if not path or not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"weights {weights}: the RTN control folder {path!r} was not written "
+                                    "(run_quality.py writes it before the configs run)")
+        return path, None
+    return cfg["model"]["path"], vllm_quantization(weights)
+
+
+def build_engine(model_path: str, kv_cache_dtype: str, engine: EngineSettings, topk: int,
+                 quantization: str | None = None):
     from vllm import LLM
 
-    return LLM(**engine.engine_kwargs(model_path, kv_cache_dtype, topk))
+    return LLM(**engine.engine_kwargs(model_path, kv_cache_dtype, topk, quantization))
 
 
 def lm_eval_adapter(llm, model_path: str, engine_kwargs: dict):
@@ -210,8 +226,15 @@ def _engine_facts(llm) -> dict:
         facts["num_gpu_blocks"] = getattr(cache, "num_gpu_blocks", None)
         facts["block_size"] = getattr(cache, "block_size", None)
         facts["cache_dtype"] = getattr(cache, "cache_dtype", None)
+        facts["quantization"] = llm.llm_engine.model_config.quantization
     except AttributeError as e:  # informational only; the tasks do not need it
         facts["facts_error"] = _error_text(e)
+    try:
+        # The model runner's "Model loading took X GiB memory" figure (weights as served, after quantization).
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        facts["model_memory_gib"] = runner.model_memory_usage / (1 << 30)
+    except (AttributeError, TypeError):
+        pass  # the runner falls back to the engine's log line
     try:
         # vLLM's "GPU KV cache size" figure, from the engine core itself (in this process: the worker runs
         # with VLLM_ENABLE_V1_MULTIPROCESSING=0); group-aware, so right for sliding-window models too.
@@ -236,15 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     tasks = TaskSettings(**spec["tasks"])
     cfg = spec["config"]
     rec = Recorder(out_dir, spec)
+    rec.data["engine"]["weights"] = cfg.get("weights") or NO_WEIGHTS
     t_start = time.time()
     try:
+        model_path, quantization = served_model(cfg)
         import vllm
 
         rec.data["engine"]["vllm_version"] = vllm.__version__
         rec.data["engine"]["vllm_path"] = str(Path(vllm.__file__).parent)
-        tok = load_tokenizer(cfg["model"]["path"])
+        tok = load_tokenizer(model_path)
         require_document_bos(tok, cfg["model"]["architecture"])
-        llm = build_engine(cfg["model"]["path"], cfg["dtype"], engine, tasks.topk)
+        llm = build_engine(model_path, cfg["dtype"], engine, tasks.topk, quantization)
     except Exception as e:  # noqa: BLE001 -- the suite records a config that cannot start
         traceback.print_exc()
         rec.data.update(status="error", error=_error_text(e))
@@ -253,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rec.data["timings"]["engine_start_s"] = time.time() - t_start
     rec.data["engine"].update(_engine_facts(llm))
-    rec.data["engine"]["kwargs"] = engine.engine_kwargs(cfg["model"]["path"], cfg["dtype"], tasks.topk)
+    engine_kwargs = engine.engine_kwargs(model_path, cfg["dtype"], tasks.topk, quantization)
+    rec.data["engine"]["kwargs"] = engine_kwargs
     rec.write()
 
     failed = []
@@ -272,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 from tq_eval import gsm8k
 
-                lm = lm_eval_adapter(llm, cfg["model"]["path"], engine.engine_kwargs(
-                    cfg["model"]["path"], cfg["dtype"], tasks.topk))
+                lm = lm_eval_adapter(llm, model_path, engine_kwargs)
                 rec.data["tasks"]["gsm8k"] = gsm8k.evaluate(
                     lm, tasks.gsm8k_data, tasks.gsm8k_limit, tasks.gsm8k_fewshot, engine.seed
                 )

@@ -101,3 +101,42 @@ def test_subprocess_env():
     assert env2["PYTHONPATH"] == os.pathsep.join(["/cur", "/x", "/eval"])
     assert "HF_HUB_OFFLINE" not in env2
     assert base["PYTHONPATH"] == f"/cur{os.pathsep}/x"  # the caller's env is not modified
+
+
+def test_weights_parsing():
+    assert C.parse_weights("bf16, tq4,rtn4,none,fp8") == ["none", "tq4", "rtn4", "fp8"]
+    assert C.valid_weights() == ("none", "fp8", "tq4", "tq3", "rtn4", "rtn3")
+    with pytest.raises(ValueError, match=r"unknown weights 'int4'; valid: none, fp8, tq4, tq3, rtn4, rtn3 "
+                                         r"\(aliases: bf16, bfloat16\)"):
+        C.parse_weights("tq4,int4")
+    with pytest.raises(ValueError, match="no weights given"):
+        C.parse_weights(" , ")
+    assert [C.vllm_quantization(w) for w in C.valid_weights()] == [None, "fp8", "tq4", "tq3", None, None]
+    assert [C.rtn_bits(w) for w in C.valid_weights()] == [None, None, None, None, 4, 3]
+    assert C.rtn_name("tq3") == "rtn3"
+
+
+def test_plan_with_the_weights_axis(tmp_path):
+    m = _model(tmp_path)
+    plan, skipped = C.plan_configs([m], ["auto", "turboquant_4bit_nc", "fp8"], ["stock", "patched"],
+                                   weights=["none", "fp8", "tq3", "rtn3", "tq4", "rtn4"])
+    ids = [c.id for c in plan]
+    assert ids == ["patched__auto", "patched__turboquant_4bit_nc", "stock__turboquant_4bit_nc",
+                   "patched__auto__weights-tq4", "patched__auto__weights-rtn4", "patched__auto__weights-tq3",
+                   "patched__auto__weights-rtn3", "patched__auto__weights-fp8", "patched__fp8"]
+    assert len(set(ids)) == len(ids)
+    weight_cfgs = [c for c in plan if c.weights != C.NO_WEIGHTS]
+    assert all(c.dtype == "auto" and c.install == "patched" for c in weight_cfgs)
+    assert {(s["dtype"], s["install"]) for s in skipped} == {("fp8", "stock"), ("auto", "stock")}
+    # weights given without none, or only none: the KV-cache configs are the same
+    only_kv, _ = C.plan_configs([m], ["auto"], ["patched"])
+    assert [c.id for c in only_kv] == [c.id for c in C.plan_configs([m], ["auto"], ["patched"], weights=["none"])[0]]
+    d = plan[4].to_dict()
+    assert (d["id"], d["weights"], d["served_path"]) == ("patched__auto__weights-rtn4", "rtn4", None)
+    assert C.rtn_folder(tmp_path / "cache", m, "rtn4") == tmp_path / "cache" / "m__rtn4"
+
+
+def test_engine_kwargs_quantization():
+    e = C.EngineSettings()
+    assert e.engine_kwargs("/m", "auto", 5, "tq4")["quantization"] == "tq4"
+    assert "quantization" not in e.engine_kwargs("/m", "auto", 5)

@@ -33,20 +33,34 @@ def _niah(acc_by_length):
     return {"records": recs, "errors": {}, "depths": [0.0, 50.0, 100.0], "samples_per_cell": 1}
 
 
-def _write(raw, install, dtype, *, noise=None, niah=None, gsm8k=None, status="ok", error=None):
+def _shifted(shift):
+    """The reference distribution with each actual token's logit lowered by ``shift``: perplexity grows with it."""
+    full = _dist(0.0)
+    t = np.random.default_rng(7).integers(0, VOCAB, N)  # the targets _topk draws
+    full[np.arange(N), t] -= shift
+    return full - np.log(np.exp(full).sum(axis=1, keepdims=True))
+
+
+def _write(raw, install, dtype, *, noise=None, niah=None, gsm8k=None, status="ok", error=None, weights=None,
+           shift=None):
+    """One config's raw/ folder; ``weights=None`` writes a result as the suite did before the weight axis."""
     from safetensors.numpy import save_file
 
-    d = raw / f"{install}__{dtype}"
+    d = raw / (f"{install}__{dtype}" + (f"__weights-{weights}" if weights not in (None, "none") else ""))
     d.mkdir(parents=True)
     tasks = {}
-    if noise is not None:
-        save_file(_topk(_dist(noise)).to_tensors(), str(d / "ppl_logprobs.safetensors"))
+    if noise is not None or shift is not None:
+        full = _shifted(shift) if shift is not None else _dist(noise)
+        save_file(_topk(full).to_tensors(), str(d / "ppl_logprobs.safetensors"))
         tasks["ppl"] = {"ppl": 0.0, "logprobs_file": "ppl_logprobs.safetensors"}
     if niah is not None:
         tasks["niah"] = _niah(niah)
     if gsm8k is not None:
         tasks["gsm8k"] = gsm8k
-    res = {"config": {"id": d.name, "dtype": dtype, "install": install, "model": MODEL}, "status": status,
+    cfg = {"id": d.name, "dtype": dtype, "install": install, "model": MODEL}
+    if weights is not None:
+        cfg["weights"] = weights
+    res = {"config": cfg, "status": status,
            "error": error, "engine": {"vllm_version": "0.26.0", "kv_cache_tokens": 1000}, "tasks": tasks,
            "timings": {"engine_start_s": 33.0}, "wall_s": 50.0}
     (d / "result.json").write_text(json.dumps(res))
@@ -145,7 +159,9 @@ def test_write_report_files(raw):
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000
     md = (out / "report.md").read_text()
-    assert "| KV-cache dtype | install | status | PPL | ΔPPL % | KL | top-1 agree | NIAH 1k | NIAH 2k |" in md
+    assert ("| KV-cache dtype | weights | install | status | PPL | ΔPPL % | KL | top-1 agree | NIAH 1k | NIAH 2k |"
+            in md)
+    assert "| `turboquant_4bit_nc` | `none` | stock |" in md
     assert "Unknown TurboQuant cache dtype" in md and "error [1]" in md
     assert "lower bound" in md
     back = json.loads((out / "report.json").read_text())
@@ -208,3 +224,108 @@ def test_perplexity_notes_only_with_perplexity(tmp_path, raw):
     _write(niah_only, "patched", "turboquant_k3v4_nc", niah={1024: [1, 0]})
     assert R.summarize(MODEL, niah_only)["notes"] == []
     assert R.POSITIONS_NOTE in R.summarize(MODEL, raw)["notes"]
+
+
+def _weights_raw(tmp_path, shifts, **extra):
+    raw = tmp_path / "raw"
+    _write(raw, "patched", "auto", weights="none", noise=0.0, niah={1024: [1, 1, 1, 1]})
+    _write(raw, "patched", "turboquant_4bit_nc", weights="none", noise=0.05)
+    for w, shift in shifts.items():
+        _write(raw, "patched", "auto", weights=w, shift=shift, niah={1024: [1, 1, 1, 0]}, **extra.get(w, {}))
+    return raw
+
+
+def test_weight_rows_are_measured_against_the_bf16_run_not_used_as_it(tmp_path):
+    # Every weight config runs with KV dtype auto, and sorts after patched__auto: keyed by dtype alone, the
+    # last of them would become the reference.
+    raw = _weights_raw(tmp_path, {"tq4": 0.02, "rtn4": 0.08, "tq3": 0.3, "rtn3": 0.15, "fp8": 0.01})
+    rep = R.summarize(MODEL, raw)
+    assert rep["references"] == {"stock": "patched__auto", "patched": "patched__auto"}
+    rows = {r["id"]: r for r in rep["rows"]}
+    assert [r["id"] for r in rep["rows"]] == [
+        "patched__auto", "patched__turboquant_4bit_nc", "patched__auto__weights-tq4", "patched__auto__weights-rtn4",
+        "patched__auto__weights-tq3", "patched__auto__weights-rtn3", "patched__auto__weights-fp8"]
+    assert rows["patched__auto"]["dppl_pct"] == pytest.approx(0.0) and rows["patched__auto"]["weights"] == "none"
+    for w in ("fp8", "tq4", "tq3", "rtn4", "rtn3"):
+        row = rows[f"patched__auto__weights-{w}"]
+        assert row["weights"] == w and row["reference"] == "patched__auto" and row["dppl_pct"] > 0
+    # NIAH's check is about the KV-cache presets; weight rows are not in it
+    assert {c["dtype"] for c in rep["checks"] if c["check"] == "niah_matches_bf16"} == {"turboquant_4bit_nc"}
+
+
+def _weights_check(rep, name, weights):
+    return next(c for c in rep["checks"] if c["check"] == name and c.get("weights") == weights)
+
+
+def test_weight_acceptance_checks(tmp_path):
+    raw = _weights_raw(tmp_path, {"tq4": 0.02, "rtn4": 0.08, "tq3": 0.15, "rtn3": 0.07})
+    rep = R.summarize(MODEL, raw)
+    rows = {r["weights"]: r for r in rep["rows"] if r["dtype"] == "auto"}
+    # the premise: tq4 within +3 %, tq3 beyond +10 % and worse than rtn3, tq4 better than rtn4
+    assert 0 < rows["tq4"]["dppl_pct"] < 3 < rows["rtn4"]["dppl_pct"]
+    assert rows["rtn3"]["dppl_pct"] < 10 < rows["tq3"]["dppl_pct"]
+    b4 = _weights_check(rep, "weights_dppl_within_budget", "tq4")
+    assert b4["result"] == "pass" and b4["budget_pct"] == 3.0 and b4["dppl_pct"] == rows["tq4"]["dppl_pct"]
+    assert f"ΔPPL {rows['tq4']['dppl_pct']:+.2f}% vs bf16 (PPL {rows['none']['ppl']:.3f} -> " \
+           f"{rows['tq4']['ppl']:.3f}); budget +3%" == b4["detail"]
+    assert _weights_check(rep, "weights_dppl_within_budget", "tq3")["result"] == "fail"
+    r4 = _weights_check(rep, "weights_tq_beats_rtn", "tq4")
+    assert r4["result"] == "pass" and r4["detail"].startswith(
+        f"PPL tq4 {rows['tq4']['ppl']:.3f} vs rtn4 {rows['rtn4']['ppl']:.3f}")
+    assert _weights_check(rep, "weights_tq_beats_rtn", "tq3")["result"] == "fail"
+    md = R.render_markdown(rep)
+    assert "| `auto` | `tq4` | patched | ok |" in md
+    assert "- **fail** weights_tq_beats_rtn `auto` weights `tq3` patched: PPL tq3 " in md
+    assert "KV-cache and weight quality" in md
+
+
+def test_weight_checks_without_their_rows(tmp_path):
+    raw = _weights_raw(tmp_path, {"tq4": 0.02, "rtn3": None},
+                       rtn3={"status": "error", "error": "FileNotFoundError: the RTN control folder"})
+    rep = R.summarize(MODEL, raw)
+    assert _weights_check(rep, "weights_dppl_within_budget", "tq3") == {
+        "check": "weights_dppl_within_budget", "dtype": "auto", "install": "patched", "weights": "tq3",
+        "result": "not tested", "detail": "not run"}
+    assert _weights_check(rep, "weights_tq_beats_rtn", "tq4")["detail"] == "rtn4: not run"
+    assert _weights_check(rep, "weights_tq_beats_rtn", "tq3")["detail"] == "tq3: not run"
+    rtn3 = next(r for r in rep["rows"] if r["weights"] == "rtn3")
+    assert rtn3["status"] == "error" and "the RTN control folder" in R.render_markdown(rep)
+    # a report without weight rows has no weight checks
+    kv_only = tmp_path / "kv" / "raw"
+    _write(kv_only, "patched", "auto", noise=0.0)
+    assert not [c for c in R.summarize(MODEL, kv_only)["checks"] if c["check"].startswith("weights_")]
+
+
+def test_weight_rows_in_files_and_plots(tmp_path):
+    from tq_eval import plots
+
+    raw = _weights_raw(tmp_path, {"tq4": 0.02, "rtn4": 0.08})
+    out = raw.parent
+    names = {p.relative_to(out).as_posix() for p in R.write_report(R.summarize(MODEL, raw), out, raw)}
+    assert {"configs/patched__auto.json", "configs/patched__auto__weights-tq4.json", "plots/niah_auto_patched.png",
+            "plots/niah_auto_patched_weights-tq4.png", "plots/niah_auto_patched_weights-rtn4.png",
+            "plots/dppl_kl.png"} <= names
+    row = {"dtype": "auto", "install": "patched", "weights": "rtn4"}
+    assert plots._label(row) == "weights rtn4, KV auto (ours)"
+    assert plots._label({"dtype": "auto", "install": "patched"}) == "auto (ours)"  # rows of older reports
+    assert plots._color(row) != plots._color({**row, "weights": "tq4"}) != plots._color({**row, "weights": "none"})
+
+
+def test_report_only_reads_a_report_from_before_the_weight_axis(tmp_path):
+    import run_quality
+
+    old = R.Path(__file__).resolve().parents[2] / "eval/results/smollm2-135m-instruct/2026-11-24-h200/report.json"
+    if not old.is_file():
+        pytest.skip("no committed report to read")
+    rep = json.loads(old.read_text())
+    for item in rep["rows"] + rep["checks"] + rep.get("not_run", []):
+        item.pop("weights", None)  # as every report written before the weight axis
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "report.json").write_text(json.dumps(rep))
+    assert run_quality.main(["--report-only", str(run_dir), "--no-plots"]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "| `auto` | `none` | patched |" in md and "# KV-cache quality:" in md
+    from tq_eval import plots
+
+    assert plots.dppl_kl_bars(rep["rows"], "old", tmp_path / "dppl_kl.png").is_file()

@@ -31,6 +31,9 @@ def test_log_parsing(tmp_path):
     assert runner.kv_cache_tokens_from_log(log) == 1234567
     assert runner.error_from_log(log) == "ValueError: bad dtype"
     assert runner.kv_cache_tokens_from_log(tmp_path / "none.log") is None
+    log.write_text("INFO [gpu_model_runner.py:1] Model loading took 0.1021 GiB memory and 1.5 seconds\n")
+    assert runner.model_memory_gib_from_log(log) == pytest.approx(0.1021)
+    assert runner.model_memory_gib_from_log(tmp_path / "none.log") is None
 
 
 @needs_no_vllm
@@ -112,3 +115,50 @@ def test_whole_prompt_prefill_arguments(model_dir, tmp_path, capsys):
     assert run_quality.main(["--model", str(model_dir), "--text", str(text), "--tasks", "niah,gsm8k",
                              "--prefill-chunk", "0", "--dry-run"]) == 0
     assert "configs" in capsys.readouterr().out
+
+
+@needs_no_vllm
+def test_weights_axis_writes_the_rtn_control_and_records_every_config(model_dir, hub_model, tmp_path, capsys):
+    import run_quality
+
+    model = tmp_path / "hub-model"
+    hub_model(model, "llama")
+    args = ["--model", str(model), "--model", str(model_dir), "--dtypes", "auto", "--weights", "bf16,tq4,rtn4",
+            "--tasks", "niah", "--out", str(tmp_path / "res"), "--run-name", "r1", "--no-plots",
+            "--config-timeout", "120"]
+    assert run_quality.main(args) == 0
+    run_dir = tmp_path / "res" / "hub-model" / "r1"
+    folder = run_dir / "raw" / "rtn-models" / "hub-model__rtn4"
+    assert (folder / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    spec = json.loads((run_dir / "raw" / "patched__auto__weights-rtn4" / "spec.json").read_text())
+    assert spec["config"]["served_path"] == str(folder) and spec["config"]["weights"] == "rtn4"
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert [(r["id"], r["weights"]) for r in rep["rows"]] == [
+        ("patched__auto", "none"), ("patched__auto__weights-tq4", "tq4"), ("patched__auto__weights-rtn4", "rtn4")]
+    assert all("vllm" in r["error"] for r in rep["rows"])  # each config ran its worker (no vLLM here)
+    assert {c["check"] for c in rep["checks"]} == {"ppl_kl_vs_stock", "weights_dppl_within_budget",
+                                                   "weights_tq_beats_rtn"}
+    assert (run_dir / "configs" / "patched__auto__weights-rtn4.json").is_file()
+    # A model folder without safetensors weights gets no RTN control: recorded as not run, the rest runs.
+    other = json.loads((tmp_path / "res" / "tiny-model" / "r1" / "report.json").read_text())
+    assert [r["id"] for r in other["rows"]] == ["patched__auto", "patched__auto__weights-tq4"]
+    assert other["not_run"][0]["weights"] == "rtn4" and "no *.safetensors" in other["not_run"][0]["reason"]
+    assert "`auto` weights `rtn4` on patched (RTN control not written" in (
+        tmp_path / "res" / "tiny-model" / "r1" / "report.md").read_text()
+    # A second run reuses the folder.
+    capsys.readouterr()
+    assert run_quality.main(args + ["--dry-run"]) == 0
+    assert str(folder) in capsys.readouterr().out
+    assert run_quality.main(args) == 0
+    assert f"reusing {folder}" in capsys.readouterr().out
+
+
+def test_weights_arguments(model_dir, capsys):
+    import run_quality
+
+    assert run_quality.main(["--model", str(model_dir), "--dtypes", "auto", "--weights", "none,fp8,tq4,tq3,rtn4,rtn3",
+                             "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "6 configs" in out and "weights rtn3" in out
+    with pytest.raises(SystemExit, match="unknown weights 'int4'; valid: none, fp8, tq4, tq3, rtn4, rtn3"):
+        run_quality.main(["--model", str(model_dir), "--weights", "int4", "--dry-run"])

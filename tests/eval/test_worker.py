@@ -41,6 +41,19 @@ def test_gemma_without_bos_is_refused(word_tokenizer_dir):
     worker.require_document_bos(tok, "LlamaForCausalLM")  # other models: the tokenizer decides
 
 
+def test_served_model_per_weights(tmp_path):
+    cfg = {"model": {"path": "/models/m"}, "weights": "tq4"}
+    assert worker.served_model(cfg) == ("/models/m", "tq4")
+    assert worker.served_model({**cfg, "weights": "fp8"}) == ("/models/m", "fp8")
+    assert worker.served_model({"model": {"path": "/models/m"}}) == ("/models/m", None)  # a spec from before
+    rtn = {**cfg, "weights": "rtn4", "served_path": str(tmp_path / "m__rtn4")}
+    with pytest.raises(FileNotFoundError, match="RTN control folder"):
+        worker.served_model(rtn)
+    (tmp_path / "m__rtn4").mkdir()
+    (tmp_path / "m__rtn4" / "config.json").write_text("{}")
+    assert worker.served_model(rtn) == (str(tmp_path / "m__rtn4"), None)  # served as a plain model
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 @pytest.mark.skipif(not os.environ.get("TQ_EVAL_MODEL"), reason="set TQ_EVAL_MODEL to a local model folder")

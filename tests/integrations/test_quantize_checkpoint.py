@@ -129,3 +129,18 @@ def test_cli(tiny, tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
     assert tq_main(["quantize", str(tiny), str(tmp_path / "p"), "--bits", "5"]) == 2
     assert "invalid choice: 5" in capsys.readouterr().err
+
+
+def test_selection_by_role():
+    """The helpers other tools share (the quality suite's RTN control rounds exactly these tensors)."""
+    from turboquant_core.integrations.quantize_checkpoint import is_encodable, is_projection
+
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.17.mlp.down_proj.weight",
+                 "model.layers.3.mlp.experts.5.gate_proj.weight"):
+        assert is_projection(name), name
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
+                 "model.layers.0.self_attn.q_proj.bias"):
+        assert not is_projection(name), name
+    assert is_encodable(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert not is_encodable(torch.zeros(3)) and not is_encodable(torch.zeros(2, 3, dtype=torch.int8))

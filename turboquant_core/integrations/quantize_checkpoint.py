@@ -56,7 +56,8 @@ class QuantizeSummary:
     bytes_after: int = 0
 
 
-def _shards(src: Path) -> tuple[list[str], dict | None]:
+def safetensors_shards(src: Path) -> tuple[list[str], dict | None]:
+    """The checkpoint's safetensors files (names in ``src``) and its index's weight map (None: a single file)."""
     index = src / INDEX_NAME
     if index.is_file():
         try:
@@ -81,6 +82,33 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
+def is_projection(name: str) -> bool:
+    """Whether the tensor ``name`` belongs to a projection inside the decoder layers (``PROJECTION_PATTERNS``)."""
+    return _matches(name, PROJECTION_PATTERNS)
+
+
+def is_encodable(t: torch.Tensor) -> bool:
+    """Whether a projection's tensor is a weight the codec encodes: 2-D floating point."""
+    return t.dim() == 2 and t.dtype.is_floating_point
+
+
+def read_source_config(src: Path) -> dict:
+    """``src``'s config.json, refused when missing, unreadable or already quantized (only full-precision
+    checkpoints are converted)."""
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{src}: no config.json (expected a Hugging Face model folder)")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{config_path}: the checkpoint is already quantized ({method}); start from the "
+                              "full-precision one")
+    return config
+
+
 def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: WeightFormat | str, *,
                         keep: tuple[str, ...] = (), overwrite: bool = False, progress: bool = True,
                         device: str = "cpu") -> QuantizeSummary:
@@ -93,22 +121,12 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
     if not isinstance(fmt, WeightFormat):
         raise ValueError(f"unknown TurboQuant weight format {fmt!r}; valid formats: {', '.join(WEIGHT_FORMATS)}")
     src, dest = Path(src).resolve(), Path(dest).resolve()
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{src}: no config.json (expected a Hugging Face model folder)")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
-        raise CheckpointError(f"{config_path}: the checkpoint is already quantized ({method}); start from the "
-                              "full-precision one")
+    config = read_source_config(src)
     if dest == src or src in dest.parents:
         raise ValueError(f"{dest} is inside the source {src}; write it elsewhere")
     if dest.exists() and not overwrite:
         raise FileExistsError(f"{dest} exists; pass overwrite=True (CLI: --overwrite) to replace it")
-    shards, weight_map = _shards(src)
+    shards, weight_map = safetensors_shards(src)
 
     summary = QuantizeSummary(dest, fmt.name)
     with atomic_folder(dest) as tmp:
@@ -127,9 +145,9 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
                             t = f.get_tensor(name)
                             seen.add(name)
                             summary.bytes_before += t.numel() * t.element_size()
-                            projection = _matches(name, PROJECTION_PATTERNS)
+                            projection = is_projection(name)
                             kept = projection and _matches(name, keep)
-                            if projection and not kept and t.dim() == 2 and t.dtype.is_floating_point:
+                            if projection and not kept and is_encodable(t):
                                 q = quantize_weight(t, fmt)
                                 stem = name.removesuffix(".weight")
                                 out[f"{stem}.weight_packed"] = q.packed.cpu()
