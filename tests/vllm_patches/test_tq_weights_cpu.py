@@ -79,6 +79,21 @@ def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):
     torch.testing.assert_close(odd(x)[0], want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
+def test_moe_routers_stay_in_full_precision(vllm_linear):
+    """A MoE block's router (``mlp.gate``, ``shared_expert_gate``) keeps its weight: a perturbed router picks other
+    experts. Other layers named like projections are encoded."""
+    linear, _, get_config, _, _ = vllm_linear
+    config = get_config("tq4")()
+    for prefix in ("model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"):
+        router = linear.ReplicatedLinear(256, 8, bias=False, params_dtype=torch.float32, quant_config=config,
+                                         prefix=prefix)
+        assert router.weight.dtype == torch.float32 and router.weight.shape == (8, 256), prefix
+    proj = linear.ReplicatedLinear(256, 8, bias=False, params_dtype=torch.float32, quant_config=config,
+                                   prefix="model.layers.0.mlp.gate_proj")
+    _load(proj, torch.randn(8, 256))
+    assert proj.weight.dtype == torch.uint8
+
+
 def test_names_in_the_engine_arguments_and_checkpoints_already_quantized(vllm_linear):
     _, methods, get_config, _, _ = vllm_linear
     from vllm.engine.arg_utils import EngineArgs
@@ -169,3 +184,74 @@ def test_a_tq_quantize_checkpoint_config_is_read(vllm_linear, tmp_path):
     _, _, get_config, _, _ = vllm_linear
     config = get_config(q["quant_method"]).from_config(q)
     assert config.get_name() == "turboquant" and config.fmt.name == "tq3"
+
+
+def _moe(vllm_linear, name, prefix, **kwargs):
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    _, _, get_config, _, _ = vllm_linear
+    args = dict(num_experts=4, top_k=2, hidden_size=256, intermediate_size=192, params_dtype=torch.bfloat16,
+                quant_config=get_config(name)(), prefix=prefix)
+    return FusedMoE(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+def test_moe_experts_encode_at_load_and_compute_the_reference(vllm_linear, name):
+    """vLLM's FusedMoE (4 experts, top-2, hidden 256, intermediate 192: w2's last group padded) gets the TurboQuant
+    experts method: bf16 experts created as the unquantized method creates them, loaded through vLLM's expert loader
+    shard by shard (gate, up, down), encoded once loaded; the routed product (what vLLM's runner calls after its
+    router) equals ops.moe_linear.moe_reference."""
+    from turboquant_core.ops.moe_linear import moe_reference, quantize_experts
+    from turboquant_core.vllm.moe_method import TQFusedMoEMethod
+
+    runner = _moe(vllm_linear, name, f"model.layers.0.mlp.experts.{name}")
+    experts = runner.routed_experts
+    assert isinstance(experts.quant_method, TQFusedMoEMethod) and not runner.is_monolithic
+    assert experts.w13_weight.shape == (4, 384, 256) and experts.w2_weight.shape == (4, 256, 192)
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4, 192, 256, generator=g) * 0.05 for _ in range(2))
+    down = torch.randn(4, 256, 192, generator=g) * 0.05
+    for e in range(4):
+        for shard, param, weight in (("w1", "w13_weight", gate), ("w3", "w13_weight", up), ("w2", "w2_weight", down)):
+            p = getattr(experts, param)
+            p.weight_loader(p, weight[e].bfloat16(), param, shard_id=shard, expert_id=e)
+    experts.quant_method.process_weights_after_loading(experts)
+    w13 = quantize_experts(torch.cat([gate, up], dim=1).bfloat16(), name)
+    w2 = quantize_experts(down.bfloat16(), name)
+    assert experts.w13_weight.dtype == torch.uint8 and experts.w13_weight_scale.dtype == torch.float16
+    assert torch.equal(experts.w13_weight, w13.packed) and torch.equal(experts.w13_weight_scale, w13.scales)
+    assert torch.equal(experts.w2_weight, w2.packed) and torch.equal(experts.w2_weight_scale, w2.scales)
+    assert experts.w2_weight.shape == (4, 256, 2, 16 * w13.fmt.bits)
+
+    x = torch.randn(6, 256, generator=g).bfloat16()
+    weights, ids = torch.softmax(torch.randn(6, 4, generator=g), -1).topk(2)
+    weights, ids = weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+    got = experts.forward_modular(x=x, topk_weights=weights, topk_ids=ids)
+    want = moe_reference(x, w13, w2, weights, ids)
+    assert got.shape == (6, 256) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=4e-2 * want.abs().max().item())
+
+
+def test_moe_features_the_experts_do_not_cover_are_refused_by_name(vllm_linear):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe import MoEActivation
+
+    from turboquant_core.vllm.moe_method import unsupported_moe_features
+
+    with pytest.raises(ValueError, match=r"--quantization tq4: MoE layer model.layers.1.mlp.experts uses activation "
+                                         r"'gelu', which TurboQuant experts do not cover \(supported: gated SiLU"):
+        _moe(vllm_linear, "tq4", "model.layers.1.mlp.experts", activation="gelu")
+    with pytest.raises(ValueError, match="MoE layer model.layers.2.mlp.experts uses expert biases"):
+        _moe(vllm_linear, "tq3", "model.layers.2.mlp.experts", has_bias=True)
+    with pytest.raises(ValueError, match="uses SwiGLU swiglu_limit"):
+        _moe(vllm_linear, "tq4", "model.layers.3.mlp.experts", swiglu_limit=7.0)
+    # expert parallelism and LoRA need more than one rank or a LoRA config to build; the check reads the layer's config
+    def layer(use_ep, lora):
+        parallel = SimpleNamespace(use_ep=use_ep, enable_eplb=use_ep)
+        return SimpleNamespace(moe_config=SimpleNamespace(activation=MoEActivation.SILU, has_bias=False,
+                                                          is_lora_enabled=lora, moe_parallel_config=parallel))
+
+    assert unsupported_moe_features(layer(True, True)) == ["expert parallelism with EPLB", "LoRA"]
+    assert unsupported_moe_features(layer(False, False)) == []

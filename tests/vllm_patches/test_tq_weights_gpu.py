@@ -2,12 +2,14 @@
 """TurboQuant weights served by vLLM on a GPU (patch 0010, turboquant_core/vllm/quant_config.py), each engine in its
 own process (test_stock_failures_gpu.py's runner):
 
-- SmolLM2 (TQ_TEST_MODEL) with ``--quantization tq4`` and ``tq3``, CUDA graphs on: finite logprobs; greedy
-  agreement with bf16 over the first 8 tokens (tq4: at least test_greedy_close_to_bf16's two thirds; tq3 reported)
-  and the mean prompt-logprob gap to bf16 printed;
+- SmolLM2 (TQ_TEST_MODEL) with ``--quantization tq4`` and ``tq3``, CUDA graphs on: finite logprobs; the mean
+  prompt-logprob gap to bf16 within about +3 % (tq4) and +10 % (tq3) perplexity; greedy agreement over the first 8
+  tokens reported;
 - the same model written by ``tq quantize --bits 4`` and served as stored: the same tokens as the online tq4 engine
   (the same bytes);
-- the Qwen3-8B shape with dummy weights, tq4 with and without the k3v4 KV cache: finite, 16 tokens per prompt.
+- the Qwen3-8B shape with dummy weights, tq4 with and without the k3v4 KV cache: finite, 16 tokens per prompt;
+- the Qwen3-30B-A3B shape (128 experts, top-8) with dummy weights, tq4 (the experts through
+  turboquant_core/vllm/moe_method.py): finite, 16 tokens per prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import pytest
 from test_stock_failures_gpu import (
     CONFIGS,
     _assert_finite,
-    _min_agree,
     _n_agree,
     _outputs,
     _random_prompts,
@@ -28,6 +29,9 @@ from test_stock_failures_gpu import (
 from test_tq_serving_gpu import _model, _prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+MAX_PROMPT_GAP = {"tq4": 0.03, "tq3": 0.1}  # nats per prompt token against bf16: about +3 % and +10 % perplexity
 
 
 def _prompt_gap(got: dict, ref: dict) -> float:
@@ -52,9 +56,9 @@ def test_smollm2_with_tq_weights(engine, fmt):
     agree = _n_agree(_tokens(got), _tokens(ref), 8)
     gap = _prompt_gap(got, ref)
     print(f"{fmt}: {agree}/{n} prompts agree with bf16 over 8 tokens; prompt logprob gap {gap:+.4f} nats/token")
-    assert math.isfinite(gap)
-    if fmt == "tq4":
-        assert agree >= _min_agree(n), [o["text"] for o in _outputs(got)]
+    # Every weight moves, so greedy continuations of a 135M model part at near-ties (reported, not asserted); the
+    # prompt logprobs say how far the model moved: 0.03 nats/token is about +3 % perplexity.
+    assert math.isfinite(gap) and gap < MAX_PROMPT_GAP[fmt], gap
 
 
 def test_a_tq_quantize_checkpoint_serves_as_stored(engine, tmp_path):
@@ -72,6 +76,18 @@ def test_a_tq_quantize_checkpoint_serves_as_stored(engine, tmp_path):
 def test_qwen3_8b_shape_with_tq4_weights(engine, kv):
     phases = [dict(name="greedy", prompts=_random_prompts(3, (16, 300, 1200)), max_tokens=16, ignore_eos=True)]
     got = engine(model=str(CONFIGS / "qwen3-8b"), dummy=True, kv_cache_dtype=kv, max_model_len=2048,
+                 enforce_eager=False, gpu_memory_utilization=0.5, engine_kwargs=dict(quantization="tq4"),
+                 phases=phases)
+    _assert_finite(got)
+    assert all(len(t) == 16 for t in _tokens(got))
+
+
+def test_qwen3_30b_a3b_shape_with_tq4_experts(engine):
+    """Every linear layer and the 48 layers' experts (128 each, top-8) encoded at load, CUDA graphs on. The dummy
+    bf16 weights exist whole on the GPU before they are encoded (about 57 GiB: an 80 GB GPU to itself), then take
+    about a quarter of that."""
+    phases = [dict(name="greedy", prompts=_random_prompts(5, (16, 300, 1200)), max_tokens=16, ignore_eos=True)]
+    got = engine(model=str(CONFIGS / "qwen3-30b-a3b"), dummy=True, kv_cache_dtype="auto", max_model_len=2048,
                  enforce_eager=False, gpu_memory_utilization=0.5, engine_kwargs=dict(quantization="tq4"),
                  phases=phases)
     _assert_finite(got)

@@ -8,8 +8,8 @@ unquantized method would; once the layer's weights are loaded, ``process_weights
 the format (``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16
 scale) and frees the full-precision copy, so at most one layer exists twice at a time. The forward pass is one
 ``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are (an input slice
-that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``) are not covered yet and stay
-in full precision.
+that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``'s ``RoutedExperts``) are
+encoded alike, expert by expert (``moe_method.TQFusedMoEMethod``).
 
 ``TQCheckpointConfig`` reads the checkpoint's ``quantization_config`` (checked against the format table: a
 checkpoint that disagrees with its format, or a version this code does not know, is refused) and gives every
@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
@@ -30,6 +31,11 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ..formats import WEIGHT_FORMATS, WeightFormat, get_weight_format
 from ..ops.linear import tq_linear_op
+from .moe_method import TQFusedMoEMethod
+
+# MoE routers stay in full precision: they are small, and a perturbed router picks other experts (vLLM also reads
+# some of them as plain tensors, e.g. Qwen3-Next concatenates gate and shared_expert_gate weights).
+ROUTER_GATES = ("gate", "shared_expert_gate")
 
 
 class _TQQuantizationConfig(QuantizationConfig):
@@ -69,7 +75,11 @@ class TQWeightConfig(_TQQuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
+            if prefix.rpartition(".")[2] in ROUTER_GATES:
+                return UnquantizedLinearMethod()
             return TQLinearMethod(self.fmt, prefix)
+        if isinstance(layer, RoutedExperts):
+            return TQFusedMoEMethod(self.fmt, layer, prefix)
         return None
 
 
