@@ -5,9 +5,9 @@ only, launcher: ``ops.linear``).
 The weight plays the part the keys play in the register-tile decode attention (``paged_decode_jit``): one warp
 takes BN output rows (BN / 16 MMA row tiles), and per group of 128 inputs loads the rows' packed planes straight
 into the threads whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a
-register codebook and multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32
-accumulators): no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per program as
-the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
+register codebook and multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16
+operands, fp32 accumulators): no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per
+program as the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
 this kernel's K order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group).
 Each group's product is scaled by the rows' group scales and the columns' activation scales and added to fp32
 accumulators. Split-K as ``linear_jit.tq_linear_kernel``: partial sums summed by the last program of a tile.

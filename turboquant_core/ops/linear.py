@@ -36,7 +36,7 @@ FMA_MAX_ROWS = 0  # up to this many rows, the product by multiply-adds instead o
 MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit)
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
-MMA_BLOCK_O = 64  # output rows per program (one warp) for up to 16 activation rows
+MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
