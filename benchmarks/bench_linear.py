@@ -5,12 +5,11 @@ shapes, CUDA-graph replay: time per decoder layer (qkv, o, gate_up, down), per s
 weights are read at against the GPU's copy bandwidth.
 
     python benchmarks/bench_linear.py --out linear.json
-    python benchmarks/bench_linear.py --rows 1,8 --variants "block_o=32;block_o=64,programs_per_sm=8" --out v.json
+    python benchmarks/bench_linear.py --rows 1,8 --variants "mma_block_o=16;mma_programs_per_sm=16" --out v.json
 
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
-variant sets launcher constants of ``ops.linear`` (block_o, programs_per_sm, num_warps, num_stages,
-fused_max_rows, rotate_in_kernel, fma_max_rows, mma_max_rows, mma_programs_per_sm, mma_block_o) for the study
-of its choices; the default variant is the shipped one.
+variant sets launcher constants of ``ops.linear`` (mma_max_rows, mma_programs_per_sm, mma_block_o,
+mma_min_groups_per_split) for the study of its choices; the default variant is the shipped one.
 """
 
 from __future__ import annotations
@@ -32,10 +31,8 @@ from turboquant_core.ops.weight_codec import TQWeight  # noqa: E402
 HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
           "down": (HIDDEN, INTERMEDIATE)}
-KNOBS = {"block_o": "BLOCK_O", "programs_per_sm": "PROGRAMS_PER_SM", "num_warps": "NUM_WARPS",
-         "num_stages": "NUM_STAGES", "fused_max_rows": "FUSED_MAX_ROWS", "rotate_in_kernel": "ROTATE_IN_KERNEL",
-         "fma_max_rows": "FMA_MAX_ROWS", "mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM",
-         "mma_block_o": "MMA_BLOCK_O"}
+KNOBS = {"mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM", "mma_block_o": "MMA_BLOCK_O",
+         "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT"}
 
 
 def parse_variant(text: str) -> dict[str, int]:

@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TurboQuant linear kernel (turboquant_core/kernels/linear_jit.py via ops.linear.tq_linear) against the
-plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference): both formats, 1 to 40 activation rows
-(one and several batch tiles), output sizes that do not fill a block, bias, bf16 activations with outliers beyond
-fp16's range, a product split over ranges of groups, an input dimension whose last group is padded. In Triton's
-interpreter on the CPU, compiled on a GPU."""
+"""TurboQuant linear layers (ops.linear.tq_linear: kernels/linear_mma_jit.py for decode-sized batches on a GPU,
+kernels/linear_jit.py's decoded weight + GEMM otherwise) against the plain-torch rotated-domain product
+(ops.weight_codec.tq_linear_reference): both formats and both paths, 1 to 73 activation rows (8, 16 and 32 per
+program), output sizes that do not fill a tile, bias, bf16 activations with outliers beyond fp16's range, products
+split over ranges of groups, an input dimension whose last group is padded. In Triton's interpreter on the CPU (the
+decoded path: the register-tile kernel runs PTX the interpreter cannot), compiled on a GPU."""
 
 import pytest
 import torch
 
 from turboquant_core.formats import get_weight_format
 from turboquant_core.ops import linear as linear_ops
-from turboquant_core.ops.linear import FUSED_MAX_ROWS, _split_counters, num_group_splits, rotation_operand, tq_linear
+from turboquant_core.ops.linear import MMA_MAX_ROWS, _split_counters, rotation_operand, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight, tq_linear_reference
 
 
@@ -21,18 +22,15 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
     return weight.to(device), x.to(device=device, dtype=dtype)
 
 
-@pytest.mark.parametrize("mode", ["register-tile", "in-kernel", "pre-rotated", "fma"])
+@pytest.mark.parametrize("path", ["register-tile", "decoded"])
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
-                                          (48, 576, 3)])
-def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, mode, device, monkeypatch):
-    """Every way the launcher can run the product: the register-tile kernel (GPUs), the Triton kernel with the
-    activation rotated inside it or by its own launch first, and the product by multiply-adds for a few rows."""
-    if mode == "register-tile" and device != "cuda":
+                                          (48, 576, 3), (96, 320, 40)])
+def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, path, device, monkeypatch):
+    """Both ways the launcher runs a product: the register-tile kernel (GPUs) and the decoded weight + GEMM."""
+    if path == "register-tile" and device != "cuda":
         pytest.skip("the register-tile kernel runs PTX the interpreter cannot")
-    monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", FUSED_MAX_ROWS if mode == "register-tile" else 0)
-    monkeypatch.setattr(linear_ops, "ROTATE_IN_KERNEL", mode == "in-kernel")
-    monkeypatch.setattr(linear_ops, "FMA_MAX_ROWS", 4 if mode == "fma" else 0)
+    monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", MMA_MAX_ROWS if path == "register-tile" else 0)
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)
     bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(device)
@@ -41,13 +39,6 @@ def test_kernel_matches_the_rotated_reference(fmt, out, inp, rows, mode, device,
     assert got.shape == (rows, out) and got.dtype == x.dtype
     # fp16 operands (the activation rounded before and after its rotation), fp32 accumulation
     torch.testing.assert_close(got, want, rtol=2e-3, atol=3e-3 * want.abs().max().item())
-
-
-def test_few_output_tiles_split_the_groups():
-    """One output tile and one batch tile over 9 groups: two ranges of groups (5 and 4), summed after."""
-    assert num_group_splits(1, 9, "cpu") == 2 and num_group_splits(1, 7, "cpu") == 1
-    assert num_group_splits(600, 64, "cpu") == 1  # enough tiles: no split
-    assert num_group_splits(10 ** 5, 64, "cpu") == 1  # more tiles than counters: never split
 
 
 def test_leading_dims_bf16_and_outliers_beyond_fp16(device):
@@ -77,27 +68,28 @@ def test_rotation_operand_is_the_groups_rotation_in_kernel_order():
     assert torch.equal(rotation_operand("tq3", "cpu", torch.bfloat16).float(), m)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
-def test_split_products_leave_the_counters_zero_and_repeat_exactly(fmt, device):
-    """A product split over ranges of groups (one output tile, 4 ranges) and summed by its last program: the same
-    bits on a second call, and the arrival counters back at zero."""
-    weight, x = _case(64, 2048, 2, 9, device, torch.bfloat16)
+def test_split_products_leave_the_counters_zero_and_repeat_exactly(fmt):
+    """A register-tile product split over ranges of groups (one output tile of 32 rows, 16 groups in 8 ranges) and
+    summed by its last program: the same bits on a second call, and the arrival counters back at zero."""
+    weight, x = _case(32, 2048, 2, 9, "cuda", torch.bfloat16)
     w = quantize_weight(weight, fmt)
-    assert num_group_splits(1, 16, device) == 4
     first = tq_linear(x, w)
     assert torch.equal(tq_linear(x, w), first)
-    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
-    assert not _split_counters(str(torch.device(device)), stream).any()
+    assert not _split_counters("cuda", torch.cuda.current_stream().cuda_stream).any()
     torch.testing.assert_close(first.float(), tq_linear_reference(x, w), rtol=1e-2,
                                atol=1e-2 * first.float().abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_many_rows_take_the_decoded_weight_and_agree_with_the_fused_kernel(dtype, device):
-    """Above FUSED_MAX_ROWS rows: weight decoded to a workspace in the rotated domain, one GEMM; it agrees with
-    the reference and, row for row, with the fused kernel (a padded last group and a bias included)."""
-    weight, x = _case(96, 320, FUSED_MAX_ROWS + 9, 8, device, dtype)
-    w = quantize_weight(weight, "tq4")
+def test_many_rows_take_the_decoded_weight(fmt, dtype, device):
+    """Above MMA_MAX_ROWS rows: the weight decoded to a workspace in the rotated domain and one GEMM, against the
+    reference and, row for row, against the products of 16 rows (the register-tile kernel on a GPU); a padded last
+    group and a bias included."""
+    weight, x = _case(96, 320, MMA_MAX_ROWS + 9, 8, device, dtype)
+    w = quantize_weight(weight, fmt)
     bias = torch.randn(96, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     got = tq_linear(x, w, bias)
     want = tq_linear_reference(x, w, bias)
@@ -125,14 +117,12 @@ def on_launch(launch):
 sm90_probe.install(on_launch)
 
 from turboquant_core.ops import linear as linear_ops
-from turboquant_core.ops.linear import FUSED_MAX_ROWS, tq_linear
+from turboquant_core.ops.linear import MMA_MAX_ROWS, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight
 
 for fmt in ("tq4", "tq3"):
     for dtype in (torch.bfloat16, torch.float16):
-        w = quantize_weight(torch.randn(64, 2048), fmt)
-        for rows in (3, 40, FUSED_MAX_ROWS + 1):  # one tile of 16 split, one of 64 split, the decoded weight
-            tq_linear(torch.randn(rows, 2048, dtype=dtype), w)
+        tq_linear(torch.randn(MMA_MAX_ROWS + 1, 2048, dtype=dtype), quantize_weight(torch.randn(64, 2048), fmt))
 linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel, 8, 16 and 32 columns
 for fmt in ("tq4", "tq3"):
     w = quantize_weight(torch.randn(64, 2048), fmt)
@@ -143,8 +133,8 @@ for fmt in ("tq4", "tq3"):
 
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
-    """Every variant (both formats and activation types, 16 and 64 rows per program, the decoded weight, the
-    register-tile kernel and its rotation) compiles for sm_90, the register codebook lookups the interpreter
+    """Every variant (both formats and activation types; the decoded weight and its rotation; the register-tile
+    kernel with 8, 16 and 32 columns and its rotation) compiles for sm_90, the register codebook lookups the interpreter
     cannot run included, with no register spills."""
     import os
     import subprocess
@@ -157,8 +147,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     if p.returncode != 0:
         pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
     res = [line.split() for line in p.stdout.strip().splitlines()]
-    want = ["tq_linear_kernel", "tq_linear_kernel", "tq_rotate_kernel", "tq_dequant_kernel"] * 4
-    want += ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 6
+    want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 4 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 6
     assert [r[0] for r in res] == want, res
     assert all(int(stack) == 0 for _, _, stack, _ in res), res
 

@@ -1,22 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Linear layers over TurboQuant weights (jit only; launcher: ``ops.linear.tq_linear``).
+"""Linear layers over TurboQuant weights: the Triton kernels around the products (jit only; launcher:
+``ops.linear``; the decode-sized product itself is ``linear_mma_jit``).
 
-y[b, o] = sqrt(2) * sum_g s[o, g] * < x[b, g] M, c[idx[o, g]] >, with M the group's rotation, unnormalised
-(entries +-1) and divided by 16 (both exact), its columns in the kernel order of ``codebook_lookup_jit``
-(position 8 q + r of a group holds rotated coordinate bitrev3(r) * 16 + q), the order the lookups build the weight's
-codebook values in; sqrt(128) / 16 = sqrt(2) is put back once at the end.
+Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R x[b, g], c[idx[o, g]] >.
 
-``tq_linear_kernel`` (few activation rows): one program takes BLOCK_O output rows x BLOCK_B activation rows x a
-range of groups. Per group it rotates the activation tile with one tensor-core product against M (held in
-registers for the whole range), decodes the [BLOCK_O, 128] weight tile in registers in the activation's type
-(bf16 or fp16), and adds the second product, scaled by the rows' group scales, to fp32 accumulators. Nothing is
-decoded to memory and the activation is rotated where it is used, so a product is one launch. When the output
-tiles are too few to fill the GPU the groups are split over programs (split-K): each writes fp32 partial sums, and
-the last program of a tile to arrive (an atomic counter per tile, which it resets to zero) adds them in a fixed
-order and writes the output.
-
-``tq_dequant_kernel`` (many rows): writes sqrt(2) * s * c[idx] per group, the weight in the rotated domain and in
-kernel order, for a tensor-core GEMM against the rotated activation.
+- ``tq_rotate_kernel``: x_g @ (M / 16), M the group's rotation unnormalised (entries +-1) with its columns in the
+  kernel order of ``codebook_lookup_jit`` (position 8 q + r of a group holds rotated coordinate bitrev3(r) * 16 + q):
+  R x_g / sqrt(2), exact products, fp32 sums, in the activation's type.
+- ``tq_dequant_kernel``: sqrt(2) * s * c[idx] per group, the weight in the rotated domain and in the same order,
+  for a GEMM (cuBLAS) against the rotated activation: the prefill-sized product.
+- ``tq_rotate_fp16_kernel``: the activation operand of ``linear_mma_jit`` (its own K order, fp16 with a power-of-two
+  scale per row and group).
 """
 
 import triton
@@ -35,111 +29,6 @@ def _dot(a, b):
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b)
-
-
-@triton.jit
-def _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features,
-               BITS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_B: tl.constexpr, DT: tl.constexpr,
-               ROTATED: tl.constexpr, FMA: tl.constexpr):
-    """acc + (activation tile of group gi, rotated) x (decoded weight tile of group gi)^T, scaled per output row.
-    ROTATED: X holds the rotated activation already (``tq_rotate_kernel``). FMA: the product by multiply-adds and
-    row sums in the decoded tile's own layout, one activation row at a time, instead of a tensor-core product."""
-    word = _load_words(W, (w_row + gi) * (16 * BITS), row_mask, 0, 16, 16, BITS)
-    w_tile = _dequant_words(word, TABLE, cb, BLOCK_O, 16, BITS, DT)  # [BLOCK_O, 128], kernel order
-    s = tl.load(S + w_row + gi, mask=row_mask, other=0.0).to(tl.float32)
-    col = gi * GROUP + d
-    if FMA:
-        wf = w_tile.to(tl.float32)
-        bi = tl.arange(0, BLOCK_B)
-        for b in tl.static_range(BLOCK_B):
-            xb = tl.load(X + tl.sum(tl.where(bi == b, x_row, 0)) + col,
-                         mask=tl.sum(tl.where(bi == b, b_mask.to(tl.int32), 0)) > 0, other=0.0).to(tl.float32)
-            p = tl.sum(wf * xb[None, :], axis=1) * s
-            acc = tl.where((bi == b)[:, None], acc + p[None, :], acc)
-        return acc
-    else:
-        x_tile = tl.load(X + x_row[:, None] + col[None, :], mask=b_mask[:, None] & (col < in_features)[None, :],
-                         other=0.0)
-        if ROTATED:
-            xr = x_tile
-        else:
-            xr = _dot(x_tile, rot).to(DT)  # [BLOCK_B, 128] rotated / sqrt(2), kernel order
-        part = _dot(xr, tl.trans(w_tile))  # [BLOCK_B, BLOCK_O] fp32
-        return acc + part * s[None, :]
-
-
-@triton.jit
-def _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS: tl.constexpr):
-    y = acc * SQRT2
-    if HAS_BIAS:
-        y += tl.load(BIAS + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    ptr = Y + bs.to(tl.int64)[:, None] * stride_y + rows[None, :]
-    tl.store(ptr, y.to(Y.dtype.element_ty), mask=b_mask[:, None] & row_mask[None, :])
-
-
-@triton.jit
-def tq_linear_kernel(X, ROT, W, S, TABLE, BIAS, Y, PART, COUNT, num_rows, in_features, out_features, groups,
-                     groups_per_split, stride_x, stride_y, BITS: tl.constexpr, BLOCK_O: tl.constexpr,
-                     BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ROTATED: tl.constexpr,
-                     FMA: tl.constexpr):
-    """X [num_rows, in_features] bf16 or fp16 (rows stride_x apart); ROT [128, 128] the rotation M / 16 in X's type;
-    W uint8 [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; TABLE the codebook (2 ** BITS
-    fp32); Y [num_rows, out] (rows stride_y apart). Program (o, b, k) sums groups k * groups_per_split onwards (at
-    most groups_per_split of them); with SPLIT, into PART fp32 [splits, num_rows, out], the last of a tile's
-    programs (COUNT int32, one zero per tile) adding the partial sums into Y."""
-    DT: tl.constexpr = X.dtype.element_ty
-    pid_o = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    g0 = pid_k * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, groups)
-    rows = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    row_mask = rows < out_features
-    bs = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = bs < num_rows
-    d = tl.arange(0, GROUP)
-    if ROTATED:
-        rot = 0
-    else:
-        rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
-    cb = _codebook_registers(TABLE, BITS, DT)
-    w_row = rows.to(tl.int64) * groups
-    x_row = bs.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_B, BLOCK_O), tl.float32)
-    if INTERPRETING:
-        # The interpreter cannot take run-time bounds in range() (its scalars are 1-element arrays).
-        gi = g0
-        while gi < g1:
-            acc = _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features, BITS,
-                             BLOCK_O, BLOCK_B, DT, ROTATED, FMA)
-            gi += 1
-    else:
-        for gi in range(g0, g1):
-            acc = _add_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, row_mask, b_mask, d, in_features, BITS,
-                             BLOCK_O, BLOCK_B, DT, ROTATED, FMA)
-    if SPLIT:
-        splits = tl.num_programs(2)
-        out_mask = b_mask[:, None] & row_mask[None, :]
-        part = PART + bs.to(tl.int64)[:, None] * out_features + rows[None, :]
-        tl.store(part + pid_k.to(tl.int64) * num_rows * out_features, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial sums are written before the release below
-        tile = pid_o * tl.num_programs(1) + pid_b
-        arrived = tl.atomic_add(COUNT + tile, 1)  # acq_rel at GPU scope
-        if arrived == splits - 1:
-            acc = tl.zeros((BLOCK_B, BLOCK_O), tl.float32)
-            if INTERPRETING:
-                k = 0
-                while k < splits:
-                    acc += tl.load(part + k * num_rows * out_features, mask=out_mask, other=0.0)
-                    k += 1
-            else:
-                for k in range(0, splits):
-                    acc += tl.load(part + k.to(tl.int64) * num_rows * out_features, mask=out_mask, other=0.0,
-                                   cache_modifier=".cg")
-            tl.atomic_xchg(COUNT + tile, 0)
-            _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS)
-    else:
-        _store_output(acc, Y, BIAS, rows, bs, row_mask, b_mask, stride_y, HAS_BIAS)
 
 
 @triton.jit

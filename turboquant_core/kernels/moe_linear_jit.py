@@ -10,8 +10,9 @@ TOP_K, never a real row), EXPERT_IDS[b] is the expert of block b of BLOCK_M rows
 sorted entries that blocks cover (later blocks are skipped).
 
 y[r, n] = sqrt(2) * sum_g s[e, n, g] * < x[r // TOP_K, g] M, c[idx[e, n, g]] > (times the router weight of r with
-MUL_ROUTED_WEIGHT), e the expert of r's block: the product of ``linear_jit`` (M the group's rotation / 16 in kernel
-order, sqrt(2) put back once at the end), with the weight rows of the block's expert. Program (m, n) takes block m
+MUL_ROUTED_WEIGHT), e the expert of r's block: the rotated-domain product of ``ops.linear`` (M the group's rotation
+/ 16 in kernel order, ``ops.linear.rotation_operand``; sqrt(2) put back once at the end), with the weight rows of the
+block's expert. Program (m, n) takes block m
 of BLOCK_M routed rows and BLOCK_N output rows of its expert; per group it loads the block's activation rows
 (masked past the input size and for padding entries), rotates them with one tensor-core product against M,
 decodes the expert's [BLOCK_N, 128] weight tile in registers (``codebook_lookup_jit``), and adds the second product,
@@ -34,8 +35,7 @@ SQRT2 = tl.constexpr(1.4142135623730951)
 def _add_expert_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, n_mask, token_mask, d, in_features,
                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
     """acc + (the block's activation rows of group gi, rotated) x (the expert's decoded weight tile of group gi)^T,
-    scaled per output row: one group of ``linear_jit``'s product, with the expert's rows (w_row) and the routed
-    rows' activations (x_row)."""
+    scaled per output row, with the expert's rows (w_row) and the routed rows' activations (x_row)."""
     word = _load_words(W, (w_row + gi) * (16 * BITS), n_mask, 0, 16, 16, BITS)
     w_tile = _dequant_words(word, TABLE, cb, BLOCK_N, 16, BITS, DT)  # [BLOCK_N, 128], kernel order
     col = gi * GROUP + d

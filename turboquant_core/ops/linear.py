@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launchers of
-``kernels.linear_jit``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
+"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launchers of ``kernels.linear_jit``
+and ``kernels.linear_mma_jit``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
 
-Up to ``FUSED_MAX_ROWS`` activation rows (decode batches) the product is one fused launch that rotates the
-activation and decodes the weight in registers (``tq_linear_kernel``). More rows (prefill) are compute-bound:
-the weight is decoded once into a bf16/fp16 workspace in the rotated domain, the activation rotated by one batched
-product, and the GEMM is cuBLAS's. Both run in the activation's type, bf16 or fp16 (fp32 activations in fp16),
-with fp32 accumulation; neither rotates the weight back.
+Up to ``MMA_MAX_ROWS`` activation rows (decode batches) on a GPU, the register-tile kernel: the activation is rotated
+once per group (one launch, fp16 with a power-of-two scale per row and group), and the product decodes each weight
+tile straight into tensor-core operand registers. More rows (prefill, and every product in Triton's interpreter) are
+compute-bound: the weight is decoded once into a bf16/fp16 workspace in the rotated domain, the activation rotated
+alike, and the GEMM is cuBLAS's. Neither rotates the weight back.
 """
 
 from __future__ import annotations
@@ -23,16 +23,8 @@ from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
 from .weight_codec import TQWeight
 
-FUSED_MAX_ROWS = 64  # activation rows the fused kernel takes; above, decode to a workspace + GEMM
-BLOCK_O = 64  # output rows per program
-NUM_WARPS = 4
-NUM_STAGES = 2
-PROGRAMS_PER_SM = 4  # split-K target when the output tiles are few
-MIN_GROUPS_PER_SPLIT = 4  # 512 inputs per program at least: each split reads enough to pay for its partial sums
 MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this never split
 DEQUANT_BLOCK_O = 32
-ROTATE_IN_KERNEL = True  # False: one more launch rotates the activation (tq_rotate_kernel) for the product to read
-FMA_MAX_ROWS = 0  # up to this many rows, the product by multiply-adds instead of tensor cores (pre-rotated input)
 MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit)
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
@@ -40,21 +32,13 @@ MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation r
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
-    """(output rows, activation rows) per program of the register-tile kernel: few activation rows share a taller
-    weight tile (each activation tile is read once per 16 x 4 weight rows); up to 32 per program, then more
-    programs."""
+    """(output rows, activation rows) per program of the register-tile kernel: up to 32 activation rows per
+    program, then more programs."""
     if rows <= 8:
         return MMA_BLOCK_O, 8
     if rows <= 16:
         return MMA_BLOCK_O, 16
     return 32, 32
-
-
-def block_rows(rows: int) -> int:
-    """Activation rows per program of the fused kernel (the tensor-core M: 16 at least; 1, 2, 4... rows by FMA)."""
-    if rows <= FMA_MAX_ROWS:
-        return triton.next_power_of_2(rows)
-    return max(16, triton.next_power_of_2(rows))
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,18 +64,6 @@ def _split_counters(device: str, stream: int) -> torch.Tensor:
     """One zero per tile for the split products' arrivals; every product leaves them zero again. Kept per stream:
     products on two streams at once never share them."""
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-
-
-def num_group_splits(tiles: int, groups: int, device) -> int:
-    """Ranges of groups the product is split into: enough programs for PROGRAMS_PER_SM on every SM when the
-    output and batch tiles alone are fewer (a small batch over a layer of a few thousand outputs), each range
-    MIN_GROUPS_PER_SPLIT groups at least; the partial sums are added in a fixed order."""
-    from .paged_attention import _sm_count
-
-    if tiles > MAX_SPLIT_TILES:
-        return 1
-    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(str(device)), tiles)
-    return max(1, min(want, groups // MIN_GROUPS_PER_SPLIT))
 
 
 @torch.library.custom_op("turboquant::tq_linear", mutates_args=())
@@ -125,41 +97,9 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
         x2 = x2.contiguous()
     if rows <= MMA_MAX_ROWS and _gluon_runs(str(x2.device)):
         y = _mma_product(x2, w, bias)
-    elif rows <= FUSED_MAX_ROWS:
-        y = _fused_product(x2, w, bias)
     else:
         y = _decoded_product(x2, w, bias)
     return y.to(x.dtype).reshape(*lead, w.out_features)
-
-
-def _fused_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    from ..kernels.linear_jit import tq_linear_kernel
-
-    fmt = w.fmt
-    rows, dev = x.shape[0], str(x.device)
-    groups = fmt.groups(w.in_features)
-    fma = rows <= FMA_MAX_ROWS
-    rotated = fma or not ROTATE_IN_KERNEL
-    rot = rotation_operand(fmt.name, dev, x.dtype)
-    if rotated:
-        x = rotated_activation(x, w)
-    block_b = block_rows(rows)
-    grid_o, grid_b = triton.cdiv(w.out_features, BLOCK_O), triton.cdiv(rows, block_b)
-    per_split = triton.cdiv(groups, num_group_splits(grid_o * grid_b, groups, x.device))
-    splits = triton.cdiv(groups, per_split)
-    y = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
-    if splits > 1:
-        part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
-        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-        counters = _split_counters(dev, stream)
-    else:
-        part = counters = y  # not read
-    tq_linear_kernel[(grid_o, grid_b, splits)](
-        x, rot, w.packed, w.scales, _codebook(fmt.name, dev), bias if bias is not None else y, y, part, counters,
-        rows, x.shape[1], w.out_features, groups, per_split, x.stride(0), y.stride(0), BITS=fmt.bits,
-        BLOCK_O=BLOCK_O, BLOCK_B=block_b, HAS_BIAS=bias is not None, SPLIT=splits > 1, ROTATED=rotated, FMA=fma,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return y
 
 
 def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
@@ -217,7 +157,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
     splits = 1
-    if tiles <= MAX_SPLIT_TILES:
+    if tiles <= MAX_SPLIT_TILES:  # few output tiles (a small layer, a small batch): split the groups
         splits = max(1, min(triton.cdiv(MMA_PROGRAMS_PER_SM * _sm_count(dev), tiles),
                             groups // MMA_MIN_GROUPS_PER_SPLIT))
     per_split = triton.cdiv(groups, splits)

@@ -11,8 +11,7 @@ Routing follows vLLM's Triton fused MoE: token t's k-th expert is routed row t *
 of one expert; ``tq_moe_linear`` computes each block's rows against its expert in one launch and writes row r of
 a [tokens * top_k, out] result, so a layer is (``tq_fused_moe``): the gate/up product w13 (input row r // top_k),
 SiLU-and-mul, the down product w2 (input row r, times the router weight of r) and the sum over the top-k rows of a
-token. Both products run in the activation's type (bf16 or fp16; fp32 activations in fp16) with fp32 accumulation,
-as ``ops.linear``'s fused kernel does.
+token. Both products run in the activation's type (bf16 or fp16; fp32 activations in fp16) with fp32 accumulation.
 """
 
 from __future__ import annotations
