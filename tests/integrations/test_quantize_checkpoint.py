@@ -92,6 +92,41 @@ def test_keep_patterns_are_listed(tiny, tmp_path):
                                                                    "model.layers.1.self_attn.v_proj"]
 
 
+def test_moe_routers_stay_in_full_precision_and_experts_are_stored_flat(tmp_path):
+    """A tiny Qwen2-MoE (routed experts, a shared expert and both routers): the routers ``mlp.gate`` and
+    ``mlp.shared_expert_gate`` are copied as they are and listed in ``modules_not_converted``, as
+    ``--quantization`` keeps them; the routed experts' indices are stored [out, G * 16 * bits] (vLLM's expert loader
+    reads any 3-D tensor as all of a layer's experts), the shared expert's (a plain linear layer)
+    [out, G, 16 * bits]."""
+    torch.manual_seed(1)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=256, intermediate_size=384, moe_intermediate_size=192,
+                                      shared_expert_intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    src = tmp_path / "tiny-moe"
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(src)
+    s = quantize_checkpoint(src, tmp_path / "out", "tq3", progress=False)
+    before, out = _tensors(src), _tensors(tmp_path / "out")
+    routers = ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
+    assert all(f"{r}.weight" in before for r in routers)  # the fixture really has both
+    for r in routers:
+        assert torch.equal(out[f"{r}.weight"], before[f"{r}.weight"]) and f"{r}.weight_packed" not in out, r
+    assert sorted(n for n, _ in s.kept) == [f"{r}.weight" for r in routers]
+    assert all(why == "MoE router, kept in full precision" for _, why in s.kept)
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert q["modules_not_converted"] == routers and not set(routers) & set(q["quantized"]) and q["version"] == 2
+    assert len(q["quantized"]) == 4 * 3 + 3 + 4  # routed experts, shared expert, attention
+
+    for stem, rows in (("model.layers.0.mlp.experts.3.down_proj", 256), ("model.layers.0.mlp.experts.0.up_proj", 192)):
+        want = quantize_weight(before[f"{stem}.weight"], "tq3")
+        assert out[f"{stem}.weight_packed"].shape == (rows, want.packed.shape[1] * 48)
+        assert torch.equal(out[f"{stem}.weight_packed"], want.packed.flatten(1))
+        assert torch.equal(out[f"{stem}.weight_scale"], want.scales)
+    stem = "model.layers.0.mlp.shared_expert.gate_proj"
+    assert torch.equal(out[f"{stem}.weight_packed"], quantize_weight(before[f"{stem}.weight"], "tq3").packed)
+    assert out[f"{stem}.weight_packed"].shape == (384, 2, 48)
+
+
 def test_refusals_leave_nothing_behind(tiny, tmp_path):
     def leftovers():
         return sorted(p.name for p in tmp_path.iterdir())
@@ -133,14 +168,19 @@ def test_cli(tiny, tmp_path, capsys):
 
 def test_selection_by_role():
     """The helpers other tools share (the quality suite's RTN control rounds exactly these tensors)."""
-    from turboquant_core.integrations.quantize_checkpoint import is_encodable, is_projection
+    from turboquant_core.integrations.quantize_checkpoint import is_encodable, is_projection, is_router
 
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.17.mlp.down_proj.weight",
                  "model.layers.3.mlp.experts.5.gate_proj.weight"):
         assert is_projection(name), name
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
-                 "model.layers.0.self_attn.q_proj.bias"):
+                 "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.block_sparse_moe.gate.weight"):
         assert not is_projection(name), name
+    # routers (full precision, as --quantization keeps them), not the gate projections
+    assert is_router("model.layers.0.mlp.gate.weight") and is_router("model.layers.2.mlp.shared_expert_gate.weight")
+    assert not is_router("model.layers.0.mlp.gate_proj.weight") and not is_router("model.layers.0.mlp.gate.bias")
+    assert not is_router("model.layers.3.mlp.experts.5.gate_proj.weight")
     assert is_encodable(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert not is_encodable(torch.zeros(3)) and not is_encodable(torch.zeros(2, 3, dtype=torch.int8))

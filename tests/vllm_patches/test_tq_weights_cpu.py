@@ -153,8 +153,8 @@ def test_checkpoint_configs_that_disagree_or_split_a_fused_layer_are_refused(vll
         _checkpoint_config(vllm_linear, group_size=64)
     with pytest.raises(ValueError, match="unknown weight format 'tq5'; valid formats: tq4, tq3"):
         _checkpoint_config(vllm_linear, format="tq5")
-    with pytest.raises(ValueError, match="version 2 is not one this code reads"):
-        _checkpoint_config(vllm_linear, version=2)
+    with pytest.raises(ValueError, match="version 3 is not one this code reads"):
+        _checkpoint_config(vllm_linear, version=3)
     mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     some = _checkpoint_config(vllm_linear, modules_not_converted=["model.layers.0.self_attn.v_proj"])
     some.packed_modules_mapping = mapping
@@ -176,7 +176,7 @@ def test_a_tq_quantize_checkpoint_config_is_read(vllm_linear, tmp_path):
     from turboquant_core.integrations.quantize_checkpoint import quantize_checkpoint
 
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     save_file({"model.layers.0.mlp.down_proj.weight": torch.randn(64, 256)}, str(src / "model.safetensors"))
     quantize_checkpoint(src, tmp_path / "out", "tq3", progress=False)
@@ -255,3 +255,185 @@ def test_moe_features_the_experts_do_not_cover_are_refused_by_name(vllm_linear):
 
     assert unsupported_moe_features(layer(True, True)) == ["expert parallelism with EPLB", "LoRA"]
     assert unsupported_moe_features(layer(False, False)) == []
+
+
+
+
+def _mlp(layer):
+    return f"model.layers.{layer}.mlp"
+
+
+def _moe_state(layer, seed=2, experts=4, hidden=256, inter=192):
+    """A small MoE block (decoder layer ``layer``; vLLM wants one name per MoE layer in a process) as a Hugging Face
+    checkpoint names it (Qwen-style: per-expert gate/up/down projections and a router ``mlp.gate``), bf16."""
+    mlp = _mlp(layer)
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(experts, inter, hidden, generator=g) * 0.05 for _ in range(2))
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.05
+    state = {f"{mlp}.gate.weight": torch.randn(experts, hidden, generator=g)}
+    for e in range(experts):
+        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            state[f"{mlp}.experts.{e}.{proj}.weight"] = w[e]
+    return {k: v.bfloat16() for k, v in state.items()}
+
+
+def _tq_quantize(tmp_path, state, name, **kwargs):
+    """What ``tq quantize`` writes for ``state``: (its tensors, its quantization_config). An attention projection
+    of another layer goes along (there is something to quantize when all experts are kept) and is left out of the
+    tensors returned."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turboquant_core.integrations.quantize_checkpoint import quantize_checkpoint
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    other = "model.layers.99.self_attn.o_proj"
+    save_file({**state, f"{other}.weight": torch.zeros(128, 128, dtype=torch.bfloat16)}, str(src / "model.safetensors"))
+    quantize_checkpoint(src, out, name, progress=False, **kwargs)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(other)}
+    return tensors, json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def _checkpoint_moe_block(vllm_linear, qconfig, layer, **kwargs):
+    """vLLM's router and FusedMoE under the checkpoint's config, named as in the checkpoint (a module tree that
+    vLLM's ``AutoWeightsLoader`` walks as it walks a model's)."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    mlp = _mlp(layer)
+    linear, _, get_config, _, _ = vllm_linear
+    config = get_config(qconfig["quant_method"]).from_config(qconfig)
+    args = dict(num_experts=4, top_k=2, hidden_size=256, intermediate_size=192, params_dtype=torch.bfloat16,
+                quant_config=config, prefix=f"{mlp}.experts")
+    runner = FusedMoE(**{**args, **kwargs})
+    router = linear.ReplicatedLinear(256, 4, bias=False, params_dtype=torch.bfloat16, quant_config=config,
+                                     prefix=f"{mlp}.gate")
+    layers = torch.nn.ModuleDict({str(layer): torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict(
+        {"gate": router, "experts": runner})})})
+    model = torch.nn.ModuleDict({"model": torch.nn.ModuleDict({"layers": layers})})
+    return model, router, runner
+
+
+def _load_through_vllm(model, tensors):
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    return AutoWeightsLoader(model).load_weights(tensors.items())
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+def test_checkpoint_moe_experts_load_the_stored_bytes_and_compute_the_reference(vllm_linear, tmp_path, name):
+    """What ``tq quantize`` writes for a MoE block loads through vLLM's own loaders (``AutoWeightsLoader`` -> the
+    runner -> ``RoutedExperts.load_weights``'s expert mapping -> its weight loader, expert by expert, shard by
+    shard): the router stays in full precision, the experts hold exactly the bytes the online method encodes, and
+    their forward is the online method's and the reference's."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from turboquant_core.formats import get_weight_format
+    from turboquant_core.ops.moe_linear import moe_reference
+    from turboquant_core.vllm.moe_method import TQPackedFusedMoEMethod
+
+    layer = 10 + ["tq4", "tq3"].index(name)
+    mlp = _mlp(layer)
+    state = _moe_state(layer)
+    tensors, qconfig = _tq_quantize(tmp_path, state, name)
+    assert f"{mlp}.gate" in qconfig["modules_not_converted"]
+    model, router, runner = _checkpoint_moe_block(vllm_linear, qconfig, layer)
+    experts = runner.routed_experts
+    assert isinstance(experts.quant_method, TQPackedFusedMoEMethod) and not runner.is_monolithic
+    assert isinstance(router.quant_method, UnquantizedLinearMethod)
+    loaded = _load_through_vllm(model, tensors)
+    assert {n.rpartition(".")[2] for n in loaded} == {"weight", "w13_weight_packed", "w13_weight_scale",
+                                                      "w2_weight_packed", "w2_weight_scale"}
+    experts.quant_method.process_weights_after_loading(experts)
+    assert torch.equal(router.weight, state[f"{mlp}.gate.weight"])
+
+    online = _moe(vllm_linear, name, f"{mlp}.online").routed_experts  # the same weights encoded at load
+    for e in range(4):
+        for shard, param, proj in (("w1", "w13_weight", "gate_proj"), ("w3", "w13_weight", "up_proj"),
+                                   ("w2", "w2_weight", "down_proj")):
+            p = getattr(online, param)
+            p.weight_loader(p, state[f"{mlp}.experts.{e}.{proj}.weight"], param, shard_id=shard, expert_id=e)
+    online.quant_method.process_weights_after_loading(online)
+    bits = get_weight_format(name).bits
+    assert experts.w13_weight_packed.shape == (4, 384, 2, 16 * bits) and experts.w13_weight_scale.shape == (4, 384, 2)
+    assert experts.w2_weight_packed.shape == (4, 256, 2, 16 * bits) and experts.w2_weight_scale.shape == (4, 256, 2)
+    for w in ("w13", "w2"):
+        assert torch.equal(getattr(experts, f"{w}_weight_packed"), getattr(online, f"{w}_weight")), w
+        assert torch.equal(getattr(experts, f"{w}_weight_scale"), getattr(online, f"{w}_weight_scale")), w
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 256, generator=g).bfloat16()
+    weights, ids = torch.softmax(torch.randn(6, 4, generator=g), -1).topk(2)
+    weights, ids = weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+    got = experts.forward_modular(x=x, topk_weights=weights, topk_ids=ids)
+    assert torch.equal(got, online.forward_modular(x=x, topk_weights=weights, topk_ids=ids))
+    w13, w2 = experts.quant_method.experts(experts)
+    want = moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=4e-2 * want.abs().max().item())
+
+
+def test_checkpoint_moe_experts_take_their_tensor_parallel_slice(vllm_linear, tmp_path):
+    """Two tensor-parallel ranks (this process is rank 0): w13 takes the rank's gate rows and up rows, w2 the rank's
+    input groups, through vLLM's expert loader, and a rank's intermediate size that 128 does not divide is refused."""
+    mlp = _mlp(20)
+    state = _moe_state(20, experts=4, inter=512)
+    tensors, qconfig = _tq_quantize(tmp_path, state, "tq4")
+    model, _, runner = _checkpoint_moe_block(vllm_linear, qconfig, 20, intermediate_size=512, tp_size=2)
+    experts = runner.routed_experts
+    assert experts.moe_config.moe_parallel_config.tp_size == 2 and experts.moe_config.tp_rank == 0
+    _load_through_vllm(model, tensors)
+    experts.quant_method.process_weights_after_loading(experts)
+
+    from turboquant_core.ops.moe_linear import quantize_experts
+
+    def stack(proj):
+        return torch.stack([state[f"{mlp}.experts.{e}.{proj}.weight"] for e in range(4)])
+
+    w13 = quantize_experts(torch.cat([stack("gate_proj")[:, :256], stack("up_proj")[:, :256]], dim=1), "tq4")
+    w2 = quantize_experts(stack("down_proj")[:, :, :256], "tq4")
+    assert torch.equal(experts.w13_weight_packed, w13.packed) and torch.equal(experts.w13_weight_scale, w13.scales)
+    assert torch.equal(experts.w2_weight_packed, w2.packed) and torch.equal(experts.w2_weight_scale, w2.scales)
+
+    with pytest.raises(ValueError, match=r"MoE layer model.layers.20.mlp.experts has 96 expert intermediate features "
+                                         r"\(down_proj inputs\) per tensor-parallel rank, not a multiple of the group "
+                                         r"size 128; use fewer ranks"):
+        _checkpoint_moe_block(vllm_linear, qconfig, 20, intermediate_size=192, tp_size=2)
+
+
+def test_checkpoint_moe_experts_kept_partly_kept_unsupported_or_old_are_handled(vllm_linear, tmp_path):
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+    mlp = _mlp(30)
+    state = _moe_state(30)
+    # all experts kept (tq quantize --keep): vLLM's unquantized experts, loaded as they are stored
+    tensors, qconfig = _tq_quantize(tmp_path / "kept", state, "tq4", keep=("*.experts.*",))
+    assert not any(k.startswith(f"{mlp}.experts.") for k in qconfig["quantized"])
+    model, _, runner = _checkpoint_moe_block(vllm_linear, qconfig, 30)
+    experts = runner.routed_experts
+    assert isinstance(experts.quant_method, UnquantizedFusedMoEMethod)
+    _load_through_vllm(model, tensors)
+    gate_up = torch.cat([state[f"{mlp}.experts.3.gate_proj.weight"],
+                         state[f"{mlp}.experts.3.up_proj.weight"]])
+    assert torch.equal(experts.w13_weight[3], gate_up)
+    assert torch.equal(experts.w2_weight[3], state[f"{mlp}.experts.3.down_proj.weight"])
+
+    _, partly = _tq_quantize(tmp_path / "partly", state, "tq4", keep=("*.experts.0.*",))
+    with pytest.raises(ValueError, match=r"the experts of MoE layer model.layers.30.mlp.experts are partly "
+                                         r"quantized \(9 projections, e.g. model.layers.30.mlp.experts.1.down_proj; "
+                                         r"3 kept, e.g. model.layers.30.mlp.experts.0.down_proj\)"):
+        _checkpoint_moe_block(vllm_linear, partly, 30)
+
+    _, qconfig = _tq_quantize(tmp_path / "all", state, "tq3")
+    with pytest.raises(ValueError, match=r"TurboQuant checkpoint: MoE layer model.layers.30.mlp.experts uses "
+                                         r"activation 'gelu', which TurboQuant experts do not cover \(supported: "
+                                         r"gated SiLU .*\); quantize the model again with its experts kept"):
+        _checkpoint_moe_block(vllm_linear, qconfig, 30, activation="gelu")
+    with pytest.raises(ValueError, match="MoE layer model.layers.30.mlp.experts uses expert biases"):
+        _checkpoint_moe_block(vllm_linear, qconfig, 30, has_bias=True)
+    with pytest.raises(ValueError, match=r"version 1 stored the experts of MoE layer model.layers.30.mlp.experts "
+                                         r"in a layout vLLM's expert loader cannot read"):
+        _checkpoint_moe_block(vllm_linear, {**qconfig, "version": 1}, 30)

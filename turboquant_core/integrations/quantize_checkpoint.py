@@ -3,15 +3,20 @@
 weight format (``formats.WEIGHT_FORMATS``), written next to everything else unchanged.
 
 Which tensors: every 2-D floating-point ``*.weight`` of a projection inside the decoder layers (``*_proj.weight``,
-MoE experts' included). Embeddings, the output head, norms, biases and anything else are copied as they are;
-``--keep`` adds name patterns to keep (listed in the config).
+MoE experts' included). Embeddings, the output head, norms, biases and anything else are copied as they are.
+MoE routers (modules named as in ``ROUTER_GATES``: ``mlp.gate``, ``shared_expert_gate``) are copied too, as
+``--quantization tq3|tq4`` keeps them in full precision, and listed in ``modules_not_converted``; ``--keep`` adds
+name patterns to keep (listed there alike).
 
 Each quantized ``NAME.weight`` [out, in] becomes two tensors (``ops.weight_codec.TQWeight``; G = ceil(in / 128),
 the last group zero-padded): ``NAME.weight_packed`` uint8 [out, G, 16 * bits] (each group's Lloyd-Max indices,
-planar8) and ``NAME.weight_scale`` float16 [out, G]. ``config.json`` gains::
+planar8) and ``NAME.weight_scale`` float16 [out, G]. A routed MoE expert's projection (``*.experts.N.*.weight``,
+``EXPERT_WEIGHT``) stores the same bytes as ``NAME.weight_packed`` [out, G * 16 * bits], the group axis flattened:
+vLLM's expert loader takes any 3-D tensor for all of a layer's experts fused (version 2; version 1 wrote experts
+3-D, which no loader reads). ``config.json`` gains::
 
     "quantization_config": {"quant_method": "turboquant", "format": "tq4", "bits": 4, "group_size": 128,
-                            "rotation_seed": 31747, "packing": "planar8", "version": 1,
+                            "rotation_seed": 31747, "packing": "planar8", "version": 2,
                             "quantized": [...], "modules_not_converted": [...]}
 
 Streaming: one source shard at a time, one tensor at a time, one output shard per source shard (memory bounded by
@@ -25,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -37,8 +43,13 @@ from ..ops.weight_codec import quantize_weight
 from .atomic_folder import atomic_folder
 
 QUANT_METHOD = "turboquant"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 PROJECTION_PATTERNS = ("*layers.*_proj.weight", "*layers.*experts.*.weight")
+# A routed expert's projection (not a shared expert's: ``shared_experts.gate_proj`` is a plain linear layer in vLLM).
+EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
+# MoE routers stay in full precision: they are small, and a perturbed router picks other experts (vLLM also reads
+# some of them as plain tensors, e.g. Qwen3-Next concatenates gate and shared_expert_gate weights).
+ROUTER_GATES = ("gate", "shared_expert_gate")
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -51,7 +62,7 @@ class QuantizeSummary:
     dest: Path
     format: str
     quantized: list[str] = field(default_factory=list)
-    kept: list[tuple[str, str]] = field(default_factory=list)  # (tensor, why): projections --keep left as they are
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (tensor, why): MoE routers, projections --keep names
     bytes_before: int = 0
     bytes_after: int = 0
 
@@ -82,9 +93,16 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
+def is_router(name: str) -> bool:
+    """Whether the tensor ``name`` is the weight of a MoE router inside the decoder layers (``ROUTER_GATES``)."""
+    module, _, last = name.rpartition(".")
+    return last == "weight" and _matches(module, ("*layers.*",)) and module.rpartition(".")[2] in ROUTER_GATES
+
+
 def is_projection(name: str) -> bool:
-    """Whether the tensor ``name`` belongs to a projection inside the decoder layers (``PROJECTION_PATTERNS``)."""
-    return _matches(name, PROJECTION_PATTERNS)
+    """Whether the tensor ``name`` belongs to a projection inside the decoder layers (``PROJECTION_PATTERNS``; MoE
+    routers are not projections here)."""
+    return _matches(name, PROJECTION_PATTERNS) and not is_router(name)
 
 
 def is_encodable(t: torch.Tensor) -> bool:
@@ -150,12 +168,15 @@ def quantize_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, fmt: We
                             if projection and not kept and is_encodable(t):
                                 q = quantize_weight(t, fmt)
                                 stem = name.removesuffix(".weight")
-                                out[f"{stem}.weight_packed"] = q.packed.cpu()
+                                packed = q.packed.flatten(1) if EXPERT_WEIGHT.search(name) else q.packed
+                                out[f"{stem}.weight_packed"] = packed.cpu()
                                 out[f"{stem}.weight_scale"] = q.scales.cpu()
                                 summary.quantized.append(name)
                                 continue
                             if kept:
                                 summary.kept.append((name, "kept by --keep"))
+                            elif is_router(name):
+                                summary.kept.append((name, "MoE router, kept in full precision"))
                             out[name] = t.cpu()
                 except SafetensorError as e:
                     raise CheckpointError(f"{src / shard}: not a readable safetensors file ({e})") from None

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """TurboQuant weights for vLLM 0.26's MoE experts under ``--quantization tq3|tq4`` (``quant_config.TQWeightConfig``
 returns ``TQFusedMoEMethod`` for the ``RoutedExperts`` module that ``FusedMoE`` builds to hold a layer's expert
-weights).
+weights) and in checkpoints written by ``tq quantize`` (``TQPackedFusedMoEMethod``, last paragraph).
 
 The experts load their full-precision weights as vLLM's unquantized method does (``w13_weight`` [E, 2 I, H]: gate
 rows then up rows, ``w2_weight`` [E, H, I], vLLM's loaders and tensor-parallel sharding unchanged); once the layer is
@@ -22,12 +22,33 @@ Covered: gated SiLU experts (``activation="silu"``) without biases, tensor and d
 dispatch), the router weight on either product (``apply_router_weight_on_input``). Refused at start-up with the
 layer's name: other activations, expert biases, SwiGLU limits or scales, expert parallelism and EPLB, LoRA on the
 experts.
+
+A checkpoint written by ``tq quantize`` (``quant_config.TQCheckpointConfig``) stores each expert's projections
+already encoded: ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj`` (or the model's names for them) as
+``weight_packed`` uint8 [out, G * 16 * bits] (the indices of ``ops.weight_codec.TQWeight`` with the group axis
+flattened into the bytes: vLLM's expert loader takes any 3-D tensor for all of a layer's experts fused) and
+``weight_scale`` float16 [out, G]. vLLM's expert mapping (``RoutedExperts.build_expert_params_mapping``) turns
+``experts.N.gate_proj.weight_packed`` into the parameter ``w13_weight_packed``, shard w1 of expert N (it replaces
+``experts.N.gate_proj.`` by ``experts.w13_``, or ``experts.routed_experts.w13_`` in models that map names
+themselves through ``make_expert_params_mapping``; up_proj: w13, shard w3; down_proj: w2, shard w2);
+``TQPackedFusedMoEMethod`` creates ``w13_weight_packed`` [E, 2 I, G * 16 * bits], ``w13_weight_scale`` [E, 2 I, G],
+``w2_weight_packed`` [E, H, G' * 16 * bits] and ``w2_weight_scale`` [E, H, G'] and lets vLLM's expert loader fill
+them (``RoutedExperts.weight_loader``, the path of group-quantized experts: gate rows, then up rows of w13, each
+the rank's slice of the output rows under tensor parallelism; w2 the rank's slice of the input groups, which needs
+the rank's intermediate size to be a multiple of 128). Once loaded, the packed tensors are viewed as
+[E, rows, G, 16 * bits]: the tensors ``TQFusedMoEMethod`` encodes at load, run by the same ``apply``.
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, MoEActivation, RoutedExperts, apply_moe_activation
+from vllm.model_executor.layers.fused_moe import (
+    FusedMoEMethodBase,
+    FusedMoeWeightScaleSupported,
+    MoEActivation,
+    RoutedExperts,
+    apply_moe_activation,
+)
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 from vllm.model_executor.utils import set_weight_attrs
@@ -68,14 +89,20 @@ def unsupported_moe_features(layer: RoutedExperts) -> list[str]:
 class TQFusedMoEMethod(FusedMoEMethodBase):
     """The experts of one MoE layer, encoded in ``fmt`` once loaded (see the module docstring)."""
 
+    packed_name = "weight"  # the encoded indices are ``w13_<packed_name>`` and ``w2_<packed_name>``
+
     def __init__(self, fmt: WeightFormat, layer: RoutedExperts, prefix: str = ""):
         super().__init__(layer.moe_config)
         self.fmt, self.prefix = fmt, prefix
         unsupported = unsupported_moe_features(layer)
         if unsupported:
-            raise ValueError(f"--quantization {fmt.name}: MoE layer {prefix or layer.layer_name} uses "
-                             f"{'; '.join(unsupported)}, which TurboQuant experts do not cover (supported: "
-                             f"{SUPPORTED}); serve this model without --quantization {fmt.name}")
+            source, remedy = self.origin()
+            raise ValueError(f"{source}: MoE layer {prefix or layer.layer_name} uses {'; '.join(unsupported)}, "
+                             f"which TurboQuant experts do not cover (supported: {SUPPORTED}); {remedy}")
+
+    def origin(self) -> tuple[str, str]:
+        """Where the encoded experts come from and what to do instead when they cannot be served (refusals)."""
+        return f"--quantization {self.fmt.name}", f"serve this model without --quantization {self.fmt.name}"
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -100,8 +127,9 @@ class TQFusedMoEMethod(FusedMoEMethodBase):
 
     def experts(self, layer: torch.nn.Module) -> tuple[TQExperts, TQExperts]:
         """The layer's encoded (w13, w2)."""
-        return (TQExperts(self.fmt.name, layer.w13_weight, layer.w13_weight_scale, self.hidden_size),
-                TQExperts(self.fmt.name, layer.w2_weight, layer.w2_weight_scale, self.intermediate_size))
+        w13, w2 = (getattr(layer, f"{name}_{self.packed_name}") for name in ("w13", "w2"))
+        return (TQExperts(self.fmt.name, w13, layer.w13_weight_scale, self.hidden_size),
+                TQExperts(self.fmt.name, w2, layer.w2_weight_scale, self.intermediate_size))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
         return None  # not one of vLLM's modular kernels (module docstring)
@@ -114,3 +142,46 @@ class TQFusedMoEMethod(FusedMoEMethodBase):
         return tq_fused_moe(x, w13, w2, topk_weights, topk_ids,
                             apply_router_weight_on_input=layer.apply_router_weight_on_input,
                             align=moe_align_block_size if cuda else None, act=_silu_and_mul_cuda if cuda else None)
+
+
+class TQPackedFusedMoEMethod(TQFusedMoEMethod):
+    """The experts of one MoE layer stored in ``fmt`` in a ``tq quantize`` checkpoint: loaded as stored, run as
+    ``TQFusedMoEMethod`` runs its experts (see the module docstring)."""
+
+    packed_name = "weight_packed"
+
+    def origin(self) -> tuple[str, str]:
+        return ("TurboQuant checkpoint", "quantize the model again with its experts kept in full precision "
+                "(tq quantize --keep '*.experts.*')")
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        fmt, inter = self.fmt, intermediate_size_per_partition
+        if layer.moe_config.moe_parallel_config.tp_size > 1 and inter % fmt.group_size:
+            raise ValueError(f"TurboQuant checkpoint: MoE layer {self.prefix or layer.layer_name} has {inter} expert "
+                             "intermediate features (down_proj inputs) per tensor-parallel rank, not a multiple of "
+                             f"the group size {fmt.group_size}; use fewer ranks")
+        self.hidden_size, self.intermediate_size = hidden_size, inter
+        group_bytes = fmt.group_size * fmt.bits // 8
+        # vLLM's expert loader fills each expert's shard (w1, w3: output rows; w2: input groups, the flattened
+        # bytes' dimension 1) as it fills group-quantized experts; the scales say so with quant_method "group".
+        scale_attrs = {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.GROUP.value}
+        for name, rows, inputs in (("w13", 2 * inter, hidden_size), ("w2", hidden_size, inter)):
+            groups = fmt.groups(inputs)
+            packed = torch.nn.Parameter(torch.empty(num_experts, rows, groups * group_bytes, dtype=torch.uint8),
+                                        requires_grad=False)
+            scale = torch.nn.Parameter(torch.empty(num_experts, rows, groups, dtype=torch.float16),
+                                       requires_grad=False)
+            layer.register_parameter(f"{name}_weight_packed", packed)
+            layer.register_parameter(f"{name}_weight_scale", scale)
+            set_weight_attrs(packed, extra_weight_attrs)
+            set_weight_attrs(scale, scale_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        group_bytes = self.fmt.group_size * self.fmt.bits // 8
+        for name in ("w13", "w2"):
+            packed = getattr(layer, f"{name}_weight_packed")
+            if packed.dim() == 3:  # [E, rows, G * bytes] as loaded -> [E, rows, G, bytes] (a view)
+                experts, rows, flat = packed.shape
+                view = packed.data.view(experts, rows, flat // group_bytes, group_bytes)
+                setattr(layer, f"{name}_weight_packed", torch.nn.Parameter(view, requires_grad=False))

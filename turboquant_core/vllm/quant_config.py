@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""TurboQuant weights for vLLM's linear layers (vLLM patch 0010 registers the names): ``--quantization tq3|tq4``
-encodes a full-precision checkpoint at load; a checkpoint written by ``tq quantize`` (``quant_method``
-"turboquant" in its config.json) loads as it is stored.
+"""TurboQuant weights for vLLM's linear layers and MoE experts (vLLM patch 0010 registers the names):
+``--quantization tq3|tq4`` encodes a full-precision checkpoint at load; a checkpoint written by ``tq quantize``
+(``quant_method`` "turboquant" in its config.json) loads as it is stored.
 
 Each linear layer (``LinearBase``: the attention and MLP projections) loads its full-precision weight as vLLM's
 unquantized method would; once the layer's weights are loaded, ``process_weights_after_loading`` encodes it in
@@ -15,27 +15,31 @@ encoded alike, expert by expert (``moe_method.TQFusedMoEMethod``).
 checkpoint that disagrees with its format, or a version this code does not know, is refused) and gives every
 converted linear layer ``weight_packed`` and ``weight_scale`` parameters that vLLM's loaders shard like any group-
 quantized weight (output rows for column-parallel layers and fused q/k/v or gate/up shards, groups of the input
-for row-parallel ones).
+for row-parallel ones). MoE experts load as stored too (``moe_method.TQPackedFusedMoEMethod``: vLLM's expert loader
+maps ``experts.N.gate_proj|up_proj|down_proj.weight_packed`` / ``.weight_scale`` to ``w13_weight_packed`` /
+``w2_weight_packed`` and their scales, shard by shard, and the layer runs ``TQFusedMoEMethod``'s kernel). A layer
+whose experts ``tq quantize`` did not convert (all of them in ``modules_not_converted``, or stored in a form it does
+not convert) gets vLLM's unquantized experts; one whose experts are partly converted is refused, and so are the
+converted experts of a version 1 checkpoint (stored in a layout vLLM's expert loader cannot read). Routers
+(``ROUTER_GATES``) stay in full precision, as ``tq quantize`` leaves them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..formats import WEIGHT_FORMATS, WeightFormat, get_weight_format
+from ..integrations.quantize_checkpoint import ROUTER_GATES  # MoE routers: full precision, online and in checkpoints
 from ..ops.linear import tq_linear_op
-from .moe_method import TQFusedMoEMethod
-
-# MoE routers stay in full precision: they are small, and a perturbed router picks other experts (vLLM also reads
-# some of them as plain tensors, e.g. Qwen3-Next concatenates gate and shared_expert_gate weights).
-ROUTER_GATES = ("gate", "shared_expert_gate")
+from .moe_method import TQFusedMoEMethod, TQPackedFusedMoEMethod
 
 
 class _TQQuantizationConfig(QuantizationConfig):
@@ -120,15 +124,17 @@ class TQLinearMethod(LinearMethodBase):
 
 
 CHECKPOINT_METHOD = "turboquant"
-CHECKPOINT_VERSIONS = (1,)
+CHECKPOINT_VERSIONS = (1, 2)
+EXPERTS_SINCE_VERSION = 2  # version 1 stored experts' packed indices 3-D, which vLLM's expert loader takes as fused
 
 
 class TQCheckpointConfig(_TQQuantizationConfig):
     """A checkpoint written by ``tq quantize`` (``turboquant_core.integrations.quantize_checkpoint``)."""
 
-    def __init__(self, fmt: WeightFormat, not_converted: list[str]) -> None:
+    def __init__(self, fmt: WeightFormat, not_converted: Iterable[str], quantized: Iterable[str] = (),
+                 version: int = CHECKPOINT_VERSIONS[-1]) -> None:
         super().__init__()
-        self.fmt, self.not_converted = fmt, set(not_converted)
+        self.fmt, self.not_converted, self.quantized, self.version = fmt, set(not_converted), set(quantized), version
 
     def get_name(self) -> str:
         return CHECKPOINT_METHOD
@@ -147,12 +153,17 @@ class TQCheckpointConfig(_TQQuantizationConfig):
         wrong = [f"{k} {config.get(k)!r} (the format's: {v!r})" for k, v in want.items() if config.get(k) != v]
         if wrong:
             raise ValueError(f"TurboQuant checkpoint: its config disagrees with format {name}: {', '.join(wrong)}")
-        return cls(fmt, list(config.get("modules_not_converted", [])))
+        return cls(fmt, list(config.get("modules_not_converted", [])), list(config.get("quantized", [])),
+                   config["version"])
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None
         parent, _, last = prefix.rpartition(".")
+        if last in ROUTER_GATES:
+            return UnquantizedLinearMethod()
         shards = [f"{parent}.{s}" if parent else s for s in self.packed_modules_mapping.get(last, [last])]
         kept = [s in self.not_converted for s in shards]
         if all(kept):
@@ -161,6 +172,26 @@ class TQCheckpointConfig(_TQQuantizationConfig):
             raise ValueError(f"TurboQuant checkpoint: {prefix} fuses {', '.join(shards)}, of which only some are "
                              "quantized; quantize them alike (tq quantize --keep all or none of them)")
         return TQPackedLinearMethod(self.fmt, prefix)
+
+    def _experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
+        """A MoE layer's experts (``prefix``: ``...experts``; the checkpoint names their projections
+        ``prefix.N.<projection>``, listed in ``quantized`` or ``modules_not_converted``): all converted
+        (``TQPackedFusedMoEMethod``), none (vLLM's unquantized experts: kept by ``--keep``, or stored in a form
+        ``tq quantize`` does not convert, such as experts fused into 3-D tensors) or refused."""
+        inside = f"{prefix}."
+        kept = sorted(m for m in self.not_converted if m.startswith(inside))
+        converted = sorted(m for m in self.quantized if m.startswith(inside))
+        if kept and converted:
+            raise ValueError(f"TurboQuant checkpoint: the experts of MoE layer {prefix} are partly quantized "
+                             f"({len(converted)} projections, e.g. {converted[0]}; {len(kept)} kept, e.g. {kept[0]}); "
+                             "quantize a layer's experts alike (tq quantize --keep all or none of them)")
+        if not converted:
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        if self.version < EXPERTS_SINCE_VERSION:
+            raise ValueError(f"TurboQuant checkpoint: version {self.version} stored the experts of MoE layer {prefix} "
+                             "in a layout vLLM's expert loader cannot read; quantize the model again with this "
+                             f"tq quantize (version {CHECKPOINT_VERSIONS[-1]})")
+        return TQPackedFusedMoEMethod(self.fmt, layer, prefix)
 
 
 class TQPackedLinearMethod(LinearMethodBase):
