@@ -10,7 +10,9 @@ operands, fp32 accumulators): no shared memory, no layout conversion. The activa
 program as the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
 this kernel's K order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group).
 Each group's product is scaled by the rows' group scales and the columns' activation scales and added to fp32
-accumulators. Split-K as ``linear_jit.tq_linear_kernel``: partial sums summed by the last program of a tile.
+accumulators. When the output tiles are too few to fill the GPU the groups are split over programs (split-K): each
+writes fp32 partial sums, and the last program of a tile to arrive (an atomic counter per tile, which it resets to
+zero) adds them in a fixed order and writes the output.
 """
 
 from triton.experimental import gluon

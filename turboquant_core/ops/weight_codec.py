@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """TurboQuant weights (``formats.WEIGHT_FORMATS``: ``tq3``, ``tq4``): the storage of a quantized linear weight and
-its plain-torch reference encoding, decoding and product, the oracle of the fused kernels to come.
+its plain-torch reference encoding, decoding and product, the oracle of the kernels (``ops.linear``).
 
 A weight W [out, in] is cut along the input dimension into G = ceil(in / 128) groups, the last one zero-padded
 (a 576-wide layer: 4 full groups and one of 64 weights and 64 zeros; activations are padded alike). Group g of
