@@ -37,3 +37,26 @@ def device() -> str:
 @pytest.fixture(scope="session")
 def has_cuda() -> bool:
     return HAS_CUDA
+
+
+@pytest.fixture(scope="session")
+def folder_tensors():
+    """folder -> {name: tensor} of every safetensors shard in it (a checkpoint as written)."""
+    from safetensors import safe_open
+
+    def read(folder):
+        out = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(shard), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+        return out
+
+    return read
+
+
+@pytest.fixture(scope="session")
+def folder_digest():
+    """folder -> {file name: sha256} of its files: equal before and after means a converter only read it."""
+    import hashlib
+
+    return lambda folder: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}

@@ -3,7 +3,6 @@
 fake-quantized model folder: which tensors change and into what, what is copied as it is, that the source is
 only read, that a finished folder is reused, and that a failure leaves nothing behind."""
 
-import hashlib
 import json
 import os
 
@@ -85,33 +84,21 @@ def test_refuses_what_it_cannot_round():
 
 # ----------------------------------------------------------------------------- the model folder
 
-def _read(folder):
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
-def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_folder_rounds_exactly_the_projections(tmp_path, hub_model, arch):
+def test_folder_rounds_exactly_the_projections(tmp_path, hub_model, arch, folder_tensors, folder_digest):
     src = tmp_path / "src"
     tensors = hub_model(src, arch)
-    before = _digest(src)
+    before = folder_digest(src)
     res = rtn.write_rtn_folder(src, tmp_path / "rtn4", 4, progress=False)
-    assert _digest(src) == before  # the source is only read
+    assert folder_digest(src) == before  # the source is only read
     dest = tmp_path / "rtn4"
     projections = sorted(n for n in tensors if n.endswith("_proj.weight"))
     assert len(projections) == 14 and res.built and sorted(res.quantized) == projections
-    out = _read(dest)
+    out = folder_tensors(dest)
     assert set(out) == set(tensors)
     for name, t in tensors.items():
         if name in projections:
@@ -120,7 +107,7 @@ def test_folder_rounds_exactly_the_projections(tmp_path, hub_model, arch):
             assert not torch.equal(out[name], t), name
         else:  # embeddings, output head, norms, the bias: the same bytes
             assert _same_bytes(out[name], t), name
-    after = _digest(dest)
+    after = folder_digest(dest)
     for same in ("config.json", "tokenizer.json", "model.safetensors.index.json",
                  "model-00003-of-00003.safetensors"):  # the shard without projections is copied as it is
         assert after[same] == before[same], same
@@ -147,10 +134,10 @@ def test_folder_is_reused_until_the_source_changes(tmp_path, hub_model):
     assert sorted(p.name for p in dest.parent.iterdir()) == ["m__rtn3"]  # no temporary or old folders left
 
 
-def test_failures_leave_nothing_behind(tmp_path, hub_model):
+def test_failures_leave_nothing_behind(tmp_path, hub_model, folder_digest):
     src = tmp_path / "src"
     hub_model(src, "llama")
-    before = _digest(src)
+    before = folder_digest(src)
     # A file that cannot be read (a link to a missing blob, as in a damaged hub cache): fails while copying.
     (src / "special_tokens_map.json").symlink_to(tmp_path / "missing-blob")
     with pytest.raises(FileNotFoundError):
@@ -177,7 +164,7 @@ def test_failures_leave_nothing_behind(tmp_path, hub_model):
         rtn.write_rtn_folder(src, src / "rtn", 4, progress=False)
     with pytest.raises(ValueError, match="overlaps the source"):
         rtn.write_rtn_folder(src, tmp_path, 4, progress=False)
-    assert _digest(src) == before
+    assert folder_digest(src) == before
 
 
 def _read_one(path):

@@ -3,7 +3,6 @@
 several safetensors shards: which tensors change and into what bytes, the index and config it writes, that the
 source is only read, and that a refused or failed run leaves nothing behind."""
 
-import hashlib
 import json
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
 
 from turboquant_core.cli import main as tq_main  # noqa: E402
 from turboquant_core.formats import get_weight_format  # noqa: E402
@@ -34,26 +32,15 @@ def tiny(tmp_path_factory):
     return src
 
 
-def _tensors(folder):
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
-def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
 @pytest.mark.parametrize("bits", [4, 3])
-def test_projections_become_the_format_bytes_and_the_rest_is_copied(tiny, tmp_path, bits):
+def test_projections_become_the_format_bytes_and_the_rest_is_copied(tiny, tmp_path, bits, folder_tensors,
+                                                                   folder_digest):
     assert (tiny / "model.safetensors.index.json").is_file()  # the fixture really is sharded
-    before = _digest(tiny)
+    before = folder_digest(tiny)
     fmt = get_weight_format(f"tq{bits}")
     s = quantize_checkpoint(tiny, tmp_path / "out", fmt, progress=False)
-    assert _digest(tiny) == before  # the source is only read
-    src, out = _tensors(tiny), _tensors(tmp_path / "out")
+    assert folder_digest(tiny) == before  # the source is only read
+    src, out = folder_tensors(tiny), folder_tensors(tmp_path / "out")
     projections = [n for n in src if n.endswith("_proj.weight")]
     assert sorted(s.quantized) == sorted(projections) and len(projections) == 14 and s.kept == []
     for name in projections:
@@ -92,7 +79,7 @@ def test_keep_patterns_are_listed(tiny, tmp_path):
                                                                    "model.layers.1.self_attn.v_proj"]
 
 
-def test_moe_routers_stay_in_full_precision_and_experts_are_stored_flat(tmp_path):
+def test_moe_routers_stay_in_full_precision_and_experts_are_stored_flat(tmp_path, folder_tensors):
     """A tiny Qwen2-MoE (routed experts, a shared expert and both routers): the routers ``mlp.gate`` and
     ``mlp.shared_expert_gate`` are copied as they are and listed in ``modules_not_converted``, as
     ``--quantization`` keeps them; the routed experts' indices are stored [out, G * 16 * bits] (vLLM's expert loader
@@ -106,7 +93,7 @@ def test_moe_routers_stay_in_full_precision_and_experts_are_stored_flat(tmp_path
     src = tmp_path / "tiny-moe"
     transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(src)
     s = quantize_checkpoint(src, tmp_path / "out", "tq3", progress=False)
-    before, out = _tensors(src), _tensors(tmp_path / "out")
+    before, out = folder_tensors(src), folder_tensors(tmp_path / "out")
     routers = ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
     assert all(f"{r}.weight" in before for r in routers)  # the fixture really has both
     for r in routers:

@@ -108,13 +108,7 @@ PROBE = r'''
 import torch
 from tests.ops import sm90_probe
 
-
-def on_launch(launch):
-    res = launch.compile()
-    print(res["kernel"], res["regs"], res["stack"], res["shared"], flush=True)
-
-
-sm90_probe.install(on_launch)
+sm90_probe.install_printer()
 
 from turboquant_core.ops import linear as linear_ops
 from turboquant_core.ops.linear import MMA_MAX_ROWS, tq_linear

@@ -180,13 +180,7 @@ PROBE = r'''
 import torch
 from tests.ops import sm90_probe
 
-
-def on_launch(launch):
-    res = launch.compile()
-    print(res["kernel"], res["regs"], res["stack"], res["shared"], flush=True)
-
-
-sm90_probe.install(on_launch)
+sm90_probe.install_printer()
 
 from turboquant_core.ops.moe_linear import moe_block_m, quantize_experts, tq_fused_moe
 
