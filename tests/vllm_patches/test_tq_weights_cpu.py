@@ -62,6 +62,28 @@ def test_linear_layers_encode_at_load_and_compute_the_rotated_product(vllm_linea
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
+def test_a_layer_is_encoded_when_its_last_shard_loads_and_never_exists_whole_before(vllm_linear):
+    """Layerwise online encoding: the full-precision weight is created on the meta device (the model never exists
+    whole in full precision); vLLM's loader keeps the shards of a fused q/k/v layer until the last one arrives, then
+    the layer is materialized, loaded and encoded at once, before the model-wide process_weights_after_loading
+    (which then leaves it as it is)."""
+    linear, _, get_config, _, _ = vllm_linear
+    layer = linear.QKVParallelLinear(256, 64, 4, 2, bias=False, params_dtype=torch.float32, quant_config=get_config(
+        "tq4")(), prefix="model.layers.0.self_attn.qkv_proj")
+    assert layer.quant_method.uses_meta_device and layer.weight.is_meta
+    g = torch.Generator().manual_seed(5)
+    shards = {sid: torch.randn(rows, 256, generator=g) * 0.05 for sid, rows in (("q", 256), ("k", 128), ("v", 128))}
+    for sid in ("q", "k"):
+        layer.weight.weight_loader(layer.weight, shards[sid], sid)
+        assert layer.weight.is_meta  # buffered, not materialized
+    layer.weight.weight_loader(layer.weight, shards["v"], "v")
+    assert layer.weight.dtype == torch.uint8 and not layer.weight.is_meta
+    want = quantize_weight(torch.cat([shards["q"], shards["k"], shards["v"]]), "tq4")
+    assert torch.equal(layer.weight, want.packed) and torch.equal(layer.weight_scale, want.scales)
+    layer.quant_method.process_weights_after_loading(layer)  # the model-wide pass: nothing left to do
+    assert torch.equal(layer.weight, want.packed)
+
+
 def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):
     linear, _, get_config, _, _ = vllm_linear
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -209,6 +231,7 @@ def test_moe_experts_encode_at_load_and_compute_the_reference(vllm_linear, name)
     assert isinstance(experts.quant_method, TQFusedMoEMethod) and not runner.is_monolithic
     assert experts.w13_weight.shape == (4, 384, 256) and experts.w2_weight.shape == (4, 256, 192)
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.bfloat16
+    assert experts.w13_weight.is_meta and experts.w2_weight.is_meta  # layerwise: materialized once all shards load
     g = torch.Generator().manual_seed(0)
     gate, up = (torch.randn(4, 192, 256, generator=g) * 0.05 for _ in range(2))
     down = torch.randn(4, 256, 192, generator=g) * 0.05
@@ -216,7 +239,8 @@ def test_moe_experts_encode_at_load_and_compute_the_reference(vllm_linear, name)
         for shard, param, weight in (("w1", "w13_weight", gate), ("w3", "w13_weight", up), ("w2", "w2_weight", down)):
             p = getattr(experts, param)
             p.weight_loader(p, weight[e].bfloat16(), param, shard_id=shard, expert_id=e)
-    experts.quant_method.process_weights_after_loading(experts)
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.uint8  # encoded when the last shard loaded
+    experts.quant_method.process_weights_after_loading(experts)  # the model-wide pass: nothing left to do
     w13 = quantize_experts(torch.cat([gate, up], dim=1).bfloat16(), name)
     w2 = quantize_experts(down.bfloat16(), name)
     assert experts.w13_weight.dtype == torch.uint8 and experts.w13_weight_scale.dtype == torch.float16

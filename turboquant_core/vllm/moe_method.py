@@ -104,15 +104,22 @@ class TQFusedMoEMethod(FusedMoEMethodBase):
         """Where the encoded experts come from and what to do instead when they cannot be served (refusals)."""
         return f"--quantization {self.fmt.name}", f"serve this model without --quantization {self.fmt.name}"
 
+    # Online: the full-precision experts are created on the meta device and encoded layer by layer as vLLM's
+    # layerwise loading completes each (as ``quant_config.TQLinearMethod``); checkpoints load packed (False there).
+    uses_meta_device = True
+
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+
         # The full-precision experts load exactly as with vLLM's unquantized method (same loaders, same sharding).
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size_per_partition
         for name, shape in (("w13_weight", (num_experts, 2 * intermediate_size_per_partition, hidden_size)),
                             ("w2_weight", (num_experts, hidden_size, intermediate_size_per_partition))):
-            param = torch.nn.Parameter(torch.empty(*shape, dtype=params_dtype), requires_grad=False)
+            param = torch.nn.Parameter(torch.empty(*shape, dtype=params_dtype, device="meta"), requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
+        initialize_online_processing(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         for name in ("w13", "w2"):
@@ -149,6 +156,7 @@ class TQPackedFusedMoEMethod(TQFusedMoEMethod):
     ``TQFusedMoEMethod`` runs its experts (see the module docstring)."""
 
     packed_name = "weight_packed"
+    uses_meta_device = False
 
     def origin(self) -> tuple[str, str]:
         return ("TurboQuant checkpoint", "quantize the model again with its experts kept in full precision "

@@ -3,10 +3,11 @@
 ``--quantization tq3|tq4`` encodes a full-precision checkpoint at load; a checkpoint written by ``tq quantize``
 (``quant_method`` "turboquant" in its config.json) loads as it is stored.
 
-Each linear layer (``LinearBase``: the attention and MLP projections) loads its full-precision weight as vLLM's
-unquantized method would; once the layer's weights are loaded, ``process_weights_after_loading`` encodes it in
-the format (``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16
-scale) and frees the full-precision copy, so at most one layer exists twice at a time. The forward pass is one
+Each linear layer (``LinearBase``: the attention and MLP projections) loads its full-precision weight through the
+loaders of vLLM's unquantized method, onto the meta device: vLLM's layerwise loading keeps a layer's shards until
+the last arrives, materializes the layer and calls ``process_weights_after_loading``, which encodes it in the format
+(``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16 scale) and
+frees the full-precision tensor, so the model never exists whole in full precision. The forward pass is one
 ``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are (an input slice
 that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``'s ``RoutedExperts``) are
 encoded alike, expert by expert (``moe_method.TQFusedMoEMethod``).
@@ -98,22 +99,32 @@ class TQ3Config(TQWeightConfig):
 class TQLinearMethod(LinearMethodBase):
     """A linear layer whose weight is encoded in ``fmt`` once loaded (see the module docstring)."""
 
+    # The full-precision weight is created on the meta device; vLLM's layerwise loading (model_loader.reload)
+    # materializes a layer when its shards arrive and calls process_weights_after_loading as soon as all have: one
+    # layer at a time exists in full precision, never the whole model.
+    uses_meta_device = True
+
     def __init__(self, fmt: WeightFormat, prefix: str = ""):
         self.fmt, self.prefix = fmt, prefix
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+
         # The full-precision weight loads exactly as with the unquantized method (same loaders, same sharding).
         weight_loader = extra_weight_attrs.pop("weight_loader")
         weight = ModelWeightParameter(
-            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype, device="meta"),
             input_dim=1, output_dim=0, weight_loader=weight_loader)
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
+        initialize_online_processing(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from ..ops.weight_codec import quantize_weight
 
+        if layer.weight.dtype == torch.uint8:  # encoded when its last shard loaded (layerwise), or earlier
+            return
         q = quantize_weight(layer.weight.data, self.fmt)
         # The packed indices take the weight's place; the full-precision tensor is freed here.
         layer.weight = torch.nn.Parameter(q.packed, requires_grad=False)
