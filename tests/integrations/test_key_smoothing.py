@@ -406,3 +406,47 @@ def test_weight_scales_bad_inputs():
         weight_scales(w, w[:16], torch.ones(8), 3, 2, 8)
     with pytest.raises(ValueError, match="both be given"):
         weight_scales(w, w, torch.ones(8), 3, 3, 8, q_gain=torch.ones(8))
+
+
+class _PackedQKV(torch.nn.Module):
+    """A qkv_proj whose weight is TurboQuant-encoded (what ``--quantization tq4`` leaves): uint8 indices, fp16
+    scales, and a quant method that decodes them (``TQLinearMethod.dequantized_weight``'s contract)."""
+
+    def __init__(self, weight, fmt="tq4"):
+        super().__init__()
+        from turboquant_core.ops.weight_codec import quantize_weight
+
+        q = quantize_weight(weight, fmt)
+        self.weight = torch.nn.Parameter(q.packed, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
+        self.input_size_per_partition = weight.shape[1]
+        self.quant_method = self
+        self.fmt = fmt
+
+    def dequantized_weight(self, layer):
+        from turboquant_core.ops.weight_codec import TQWeight, dequantize_weight
+
+        return dequantize_weight(TQWeight(self.fmt, layer.weight, layer.weight_scale, layer.input_size_per_partition))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_fused_weight_quantized_qkv_folds_into_the_norm_gains_only(qk_norm):
+    """With an encoded qkv_proj, the scales come from the decoded weight (the same as smoothing a float layer that
+    holds it) and go into the q/k-norm gains; the packed bytes never change; without q/k norms it is refused."""
+    packed_layer = _random_layer(hidden=256, qk_norm=qk_norm)
+    w = packed_layer.self_attn.qkv_proj.weight.detach()
+    packed_layer.self_attn.qkv_proj = _PackedQKV(w)
+    float_layer = _random_layer(hidden=256, qk_norm=qk_norm)
+    decoded = packed_layer.self_attn.qkv_proj.dequantized_weight(packed_layer.self_attn.qkv_proj)
+    float_layer.self_attn.qkv_proj.weight = torch.nn.Parameter(decoded, requires_grad=False)
+    before = packed_layer.self_attn.qkv_proj.weight.clone()
+    if not qk_norm:
+        with pytest.raises(KeySmoothingUnsupported, match="weight-quantized and the layer has no q/k norms"):
+            smooth_fused_layer(packed_layer)
+    else:
+        s_packed, s_float = smooth_fused_layer(packed_layer), smooth_fused_layer(float_layer)
+        torch.testing.assert_close(s_packed, s_float)
+        for norm in ("q_norm", "k_norm"):
+            torch.testing.assert_close(getattr(packed_layer.self_attn, norm).weight,
+                                       getattr(float_layer.self_attn, norm).weight)
+    assert torch.equal(packed_layer.self_attn.qkv_proj.weight, before)

@@ -82,6 +82,10 @@ def test_a_layer_is_encoded_when_its_last_shard_loads_and_never_exists_whole_bef
     assert torch.equal(layer.weight, want.packed) and torch.equal(layer.weight_scale, want.scales)
     layer.quant_method.process_weights_after_loading(layer)  # the model-wide pass: nothing left to do
     assert torch.equal(layer.weight, want.packed)
+    # what key smoothing reads of an encoded qkv_proj: the weight it computes with
+    from turboquant_core.ops.weight_codec import dequantize_weight
+
+    assert torch.equal(layer.quant_method.dequantized_weight(layer), dequantize_weight(want))
 
 
 def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):

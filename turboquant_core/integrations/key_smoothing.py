@@ -334,6 +334,13 @@ def smooth_fused_layer(layer: torch.nn.Module, power: float = 0.5, fold_qkv_rows
                                       f"{n_kv} KV heads of {d} channels")
     w = getattr(qkv, "weight", None)
     rows = q_size + 2 * kv_size
+    decode = getattr(getattr(qkv, "quant_method", None), "dequantized_weight", None)
+    if decode is not None and isinstance(w, torch.Tensor) and not w.is_meta and w.dtype == torch.uint8:
+        # A weight-quantized qkv_proj (--quantization tq4): its row norms come from the weight it computes with;
+        # the scale can only go into q/k-norm gains, never into its packed rows.
+        if getattr(attn, "q_norm", None) is None:
+            raise KeySmoothingUnsupported("qkv_proj is weight-quantized and the layer has no q/k norms to fold into")
+        w = decode(qkv)
     if not isinstance(w, torch.Tensor) or w.dtype not in FLOAT_DTYPES:
         desc = "absent" if not isinstance(w, torch.Tensor) else str(w.dtype).removeprefix("torch.")
         raise KeySmoothingUnsupported(f"qkv_proj.weight is {desc}, not float16/bfloat16/float32 "

@@ -133,6 +133,13 @@ class TQLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name, bias)
 
+    def dequantized_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The encoded weight decoded [out, in] (fp32): what the layer computes with (key smoothing's row norms)."""
+        from ..ops.weight_codec import TQWeight, dequantize_weight
+
+        return dequantize_weight(TQWeight(self.fmt.name, layer.weight, layer.weight_scale,
+                                          layer.input_size_per_partition))
+
 
 CHECKPOINT_METHOD = "turboquant"
 CHECKPOINT_VERSIONS = (1, 2)
