@@ -3,6 +3,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,14 @@ def test_presets_table_text(capsys):
     end = lines.index("")
     body = {line.split()[0]: line.split() for line in lines[3:end]}
     assert list(body) == list(KV_FORMATS)
-    weights = {line.split()[0]: line.split() for line in lines[end + 4:]}
+    end2 = lines.index("", end + 1)
+    weights = {line.split()[0]: line.split() for line in lines[end + 4:end2]}
     assert list(weights) == ["tq4", "tq3"] and "Weight presets" in lines[end + 1]
+    assert "MLA latent caches" in lines[end2 + 1] and "bf16 = 1152, fp8 = 576, fp8_ds_mla = 656" in lines[end2 + 1]
+    mla = {line.split()[0]: line.split() for line in lines[end2 + 4:]}
+    assert list(mla) == list(KV_FORMATS)
+    assert mla["turboquant_k3v4_nc"][-7:] == ["192", "2", "128", "322", "3.58", "1.79", "2.04"]
+    assert mla["turboquant_k8v4"][-7:] == ["512", "0", "128", "640", "1.80", "0.90", "1.02"]
     assert weights["tq4"][-4:] == ["66", "4.125", "0.258", "planar8"]
     assert weights["tq3"][-4:] == ["50", "3.125", "0.195", "planar8"]
     expected = {"turboquant_k8v4": "194", "turboquant_k3v4_nc": "116", "turboquant_2bit_nc": "68"}
@@ -49,6 +56,12 @@ def test_presets_json(capsys):
     assert rows["turboquant_k8v4"]["key"] == "fp8 e4m3 (rotated)"
     weights = {r["name"]: r for r in data["weight_presets"]}
     assert weights["tq3"]["bytes_per_group"] == 50 and weights["tq4"]["bits_per_weight"] == 4.125
+    mla = data["mla"]
+    assert (mla["kv_lora_rank"], mla["rope_dim"]) == (512, 64)
+    assert mla["baseline_bytes"] == {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
+    rows = {r["name"]: r for r in mla["presets"]}
+    assert rows["turboquant_2bit_nc"]["bytes_per_token"] == 128 + 2 + 128
+    assert rows["turboquant_4bit_nc"]["vs_bf16"] == pytest.approx(1152 / 386)
 
 
 def test_presets_table_function_matches_formats():
@@ -157,6 +170,27 @@ def test_memory_per_gpu_with_tensor_parallelism(capsys, tmp_path):
     assert json.loads(out)["rows"][2]["kv_bytes"] == 32 * 4 * 116 * 8192
     code, _, err = run(capsys, "memory", "--config", str(cfg), "--context", "8192", "--tensor-parallel-size", "3")
     assert code == 2 and "valid sizes: 1, 2, 4, 8, 16, 32" in err
+
+
+def test_memory_of_an_mla_model(capsys):
+    """DeepSeek-V2-Lite's config (benchmarks/configs): 27 layers of one 512 + 64 latent entry per token."""
+    cfg = str(Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "deepseek-v2-lite")
+    code, out, _ = run(capsys, "memory", "--config", cfg, "--context", "32768", "--batch", "8", "--gpu-mem-gb", "20")
+    assert code == 0
+    assert out.startswith("deepseek_v2: 27 MLA layers, 16 heads sharing one latent entry per token and layer "
+                          "(kv_lora_rank 512 + rope 64)")
+    body = {line.split()[0]: line.split() for line in out.splitlines()[4:]}
+    assert list(body) == ["bf16", "fp8", "fp8_ds_mla", *KV_FORMATS]
+    assert body["bf16"][2:4] == ["1152", "7.594"] and body["bf16"][4] == str(2**30 // (27 * 1152))
+    assert body["turboquant_k3v4_nc"][2] == "322" and body["turboquant_k3v4_nc"][5:8] == ["3.58", "1.79", "2.04"]
+    code, out, _ = run(capsys, "memory", "--config", cfg, "--context", "4096", "--json", "--tensor-parallel-size", "2",
+                       "--presets", "turboquant_2bit_nc")
+    data = json.loads(out)
+    assert code == 0 and data["attention"] == "mla" and data["tensor_parallel_size"] == 2
+    assert [r["name"] for r in data["rows"]] == ["bf16", "fp8", "fp8_ds_mla", "turboquant_2bit_nc"]
+    assert data["rows"][3]["kv_bytes"] == 27 * 258 * 4096  # replicated: each GPU holds every layer's latents
+    code, _, err = run(capsys, "memory", "--config", cfg, "--context", "4096", "--tensor-parallel-size", "3")
+    assert code == 2 and "valid sizes: 1, 2, 4, 8, 16" in err
 
 
 def test_memory_warns_past_max_position_embeddings(capsys, tmp_path):

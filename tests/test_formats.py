@@ -16,8 +16,11 @@ from turboquant_core.formats import (
     ComponentFormat,
     Fp8Component,
     KVFormat,
+    MLAFormat,
     format_names,
     get_format,
+    mla_baseline_bytes,
+    mla_format,
 )
 from turboquant_core.packing import PACKING_LAYOUT, packed_bytes
 from turboquant_core.quantizer import FP8Quantizer, MSEQuantizer
@@ -200,3 +203,45 @@ def test_table_invariants():
         assert f.packing == PACKING_LAYOUT
         assert name not in RETIRED_FORMATS
     assert len(set(format_names())) == len(KV_FORMATS) == 9
+
+
+# One token's MLA entry per layer (kv_lora_rank 512, rope 64), by hand: the latent in the preset's key encoding
+# (512 * bits / 8 index bytes, + a 2-byte fp16 scale for codebooks; fp8: 512 bytes, no scale) + 64 bf16 of k_pe.
+MLA_BYTES = {
+    "turboquant_k8v4": 512 + 128,
+    "turboquant_4bit_nc": 256 + 2 + 128,
+    "turboquant_k3v4_nc": 192 + 2 + 128,
+    "turboquant_3bit_nc": 192 + 2 + 128,
+    "turboquant_k4v3_nc": 256 + 2 + 128,
+    "turboquant_3p5bit_nc": 128 + 96 + 2 + 128,  # 256 rotated coordinates at 4 bits, 256 at 3
+    "turboquant_k3v2_nc": 192 + 2 + 128,
+    "turboquant_2p5bit_nc": 96 + 64 + 2 + 128,
+    "turboquant_2bit_nc": 128 + 2 + 128,
+}
+
+
+def test_mla_entry_bytes_by_hand():
+    assert {n: mla_format(n).bytes_per_token() for n in KV_FORMATS} == MLA_BYTES
+    assert mla_baseline_bytes() == {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
+    f = mla_format("turboquant_k3v4_nc")
+    assert f.entry_sections() == (("latent_index", 192), ("k_pe", 128), ("latent_scale", 2))
+    assert mla_format("turboquant_k8v4").entry_sections() == (("latent_index", 512), ("k_pe", 128))
+    assert (f.head_size, f.seed, f.latent) == (576, get_format("turboquant_k3v4_nc").key_seed, CodebookComponent(3))
+    assert f.compression_vs("bf16") == pytest.approx(1152 / 322) and f.compression_vs("fp8") == pytest.approx(576 / 322)
+    assert f.compression_vs("fp8_ds_mla") == pytest.approx(656 / 322)
+    # The latent takes the key's encoding: presets with equal keys share the MLA entry.
+    assert mla_format("turboquant_k4v3_nc") == MLAFormat(get_format("turboquant_k4v3_nc"))
+    assert mla_format("turboquant_k4v3_nc").latent == mla_format("turboquant_4bit_nc").latent
+
+
+def test_mla_other_ranks_and_bad_shapes():
+    f = mla_format("turboquant_2bit_nc", kv_lora_rank=256, rope_dim=32)
+    assert f.bytes_per_token() == 64 + 2 + 64 and mla_baseline_bytes(256, 32)["fp8_ds_mla"] == 256 + 8 + 64
+    with pytest.raises(ValueError, match="head_dim 500 is not supported"):
+        mla_format("turboquant_2bit_nc", kv_lora_rank=500)
+    with pytest.raises(ValueError, match="rope_dim must be a positive multiple of 8"):
+        mla_format("turboquant_2bit_nc", rope_dim=60)
+    with pytest.raises(ValueError, match="valid formats"):
+        mla_format("turboquant_9bit")
+    assert isinstance(mla_format("turboquant_4bit_nc").latent_quantizer(), MSEQuantizer)
+    assert isinstance(mla_format("turboquant_k8v4").latent_quantizer(), FP8Quantizer)

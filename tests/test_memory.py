@@ -8,10 +8,12 @@ from turboquant_core.memory import (
     GIB,
     ModelConfigError,
     context_warning,
+    is_mla_config,
     kv_heads_per_gpu,
     kv_shape_from_config,
     load_config,
     memory_report,
+    mla_shape_from_config,
 )
 
 LLAMA_8B = {  # Llama 3.1 8B's attention geometry
@@ -41,6 +43,53 @@ def test_llama_bytes_by_hand():
     assert rows["turboquant_3bit_nc"]["kv_gib"] == pytest.approx(16 * 100 / 512)
     assert [r["name"] for r in rep["rows"]][:2] == ["bf16", "fp8"] and len(rep["rows"]) == 2 + len(KV_FORMATS)
     assert rep["full_layers"] == 32 and rep["windowed_layers"] == 0 and "fits" not in rows["bf16"]
+
+
+DEEPSEEK_V2_LITE = {  # the attention geometry of benchmarks/configs/deepseek-v2-lite/config.json
+    "model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "hidden_size": 2048, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+
+def test_mla_bytes_by_hand():
+    """One entry per token and layer, whatever the heads: bf16 2 * (512 + 64), fp8 576, fp8_ds_mla 512 + 16 + 128;
+    k3v4's latent at 3 bits: 512 * 3 / 8 + 2 (fp16 scale) + 128 (k_pe bf16) = 322."""
+    rep = memory_report(DEEPSEEK_V2_LITE, context=32768, batch=4)
+    rows = _rows(rep)
+    assert rep["attention"] == "mla" and (rep["kv_lora_rank"], rep["rope_dim"], rep["num_layers"]) == (512, 64, 27)
+    assert [r["name"] for r in rep["rows"]][:3] == ["bf16", "fp8", "fp8_ds_mla"]
+    assert len(rep["rows"]) == 3 + len(KV_FORMATS)
+    want = {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656, "turboquant_k8v4": 640, "turboquant_4bit_nc": 386,
+            "turboquant_k3v4_nc": 322, "turboquant_3p5bit_nc": 354, "turboquant_2p5bit_nc": 290,
+            "turboquant_2bit_nc": 258}
+    for name, n in want.items():
+        assert rows[name]["bytes_per_token_per_layer"] == n, name
+        assert rows[name]["kv_bytes"] == 27 * n * 32768 * 4
+        assert rows[name]["tokens_per_gib"] == GIB // (27 * n)
+        assert rows[name]["vs_bf16"] == pytest.approx(1152 / n) and rows[name]["vs_fp8"] == pytest.approx(576 / n)
+        assert rows[name]["vs_fp8_ds_mla"] == pytest.approx(656 / n)
+    assert rows["turboquant_k3v4_nc"]["latent"] == "3-bit Lloyd-Max +nc"
+
+
+def test_mla_tokens_that_fit_and_tensor_parallel_replication():
+    rep = memory_report(DEEPSEEK_V2_LITE, context=32768, batch=8, gpu_mem_gib=20)
+    row = _rows(rep)["turboquant_k3v4_nc"]
+    assert row["max_context"] == 20 * GIB // (8 * 27 * 322) and row["fits"]
+    two = memory_report(DEEPSEEK_V2_LITE, context=32768, batch=8, gpu_mem_gib=20, tensor_parallel_size=2)
+    assert [r["kv_bytes"] for r in two["rows"]] == [r["kv_bytes"] for r in rep["rows"]]
+    with pytest.raises(ValueError, match="valid sizes: 1, 2, 4, 8, 16"):
+        memory_report(DEEPSEEK_V2_LITE, context=10, tensor_parallel_size=3)
+
+
+def test_mla_config_shape_and_errors():
+    shape = mla_shape_from_config({"model_type": "x", "text_config": DEEPSEEK_V2_LITE})
+    assert (shape.kv_lora_rank, shape.rope_dim, shape.nope_head_dim, shape.v_head_dim) == (512, 64, 128, 128)
+    assert is_mla_config(DEEPSEEK_V2_LITE) and not is_mla_config(LLAMA_8B)
+    with pytest.raises(ModelConfigError, match="qk_rope_head_dim"):
+        mla_shape_from_config({**DEEPSEEK_V2_LITE, "qk_rope_head_dim": None})
+    with pytest.raises(ModelConfigError, match="kv_lora_rank 500 is not supported"):
+        mla_shape_from_config({**DEEPSEEK_V2_LITE, "kv_lora_rank": 500})
 
 
 @pytest.mark.parametrize("kv_heads,tp,want", [(8, 1, 8), (8, 2, 4), (8, 8, 1), (8, 16, 1), (1, 2, 1), (2, 4, 1)])

@@ -14,7 +14,15 @@ import math
 import sys
 import warnings
 
-from .formats import KV_FORMATS, WEIGHT_FORMATS, format_names
+from .formats import (
+    KV_FORMATS,
+    MLA_KV_LORA_RANK,
+    MLA_ROPE_DIM,
+    WEIGHT_FORMATS,
+    format_names,
+    mla_baseline_bytes,
+    mla_format,
+)
 from .rotation import SUPPORTED_HEAD_DIMS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -132,6 +140,26 @@ def presets_table(head_dim: int = 128) -> list[dict]:
     return rows
 
 
+def mla_presets_table(kv_lora_rank: int = MLA_KV_LORA_RANK, rope_dim: int = MLA_ROPE_DIM) -> list[dict]:
+    """One row per preset's MLA entry (``formats.MLAFormat``): latent encoding, exact bytes per token and layer,
+    and the tokens it holds per token of vLLM's bf16, fp8 and fp8_ds_mla MLA entries."""
+    rows = []
+    for name in KV_FORMATS:
+        m = mla_format(name, kv_lora_rank, rope_dim)
+        rows.append({
+            "name": name,
+            "latent": m.latent.describe(),
+            "latent_index_bytes": m.latent_index_bytes(),
+            "latent_scale_bytes": m.latent_scale_bytes(),
+            "k_pe_bytes": m.rope_bytes(),
+            "bytes_per_token": m.bytes_per_token(),
+            "vs_bf16": m.compression_vs("bf16"),
+            "vs_fp8": m.compression_vs("fp8"),
+            "vs_fp8_ds_mla": m.compression_vs("fp8_ds_mla"),
+        })
+    return rows
+
+
 def weight_presets_table() -> list[dict]:
     """One row per weight preset: code, group, exact bytes per group and per parameter."""
     return [{
@@ -150,9 +178,13 @@ def weight_presets_table() -> list[dict]:
 def cmd_presets(args) -> int:
     rows = presets_table(args.head_dim)
     weights = weight_presets_table()
+    mla = mla_presets_table()
+    mla_base = mla_baseline_bytes()
     if args.json:
         _print_json({"head_dim": args.head_dim, "bf16_bytes": 4 * args.head_dim, "fp8_bytes": 2 * args.head_dim,
-                     "presets": rows, "weight_presets": weights})
+                     "presets": rows, "weight_presets": weights,
+                     "mla": {"kv_lora_rank": MLA_KV_LORA_RANK, "rope_dim": MLA_ROPE_DIM, "baseline_bytes": mla_base,
+                             "presets": mla}})
         return EXIT_OK
     print(f"KV-cache presets at head_dim={args.head_dim} (bytes per token per KV head, K+V; "
           f"bf16 = {4 * args.head_dim}, fp8 = {2 * args.head_dim})")
@@ -166,6 +198,15 @@ def cmd_presets(args) -> int:
     print(format_table(weights, [
         ("name", "name", ""), ("code", "code", ""), ("group_size", "group", ""), ("bytes_per_group", "bytes", ""),
         ("bits_per_weight", "bits/weight", ".3f"), ("fraction_of_bf16", "of bf16", ".3f"), ("packing", "packing", ""),
+    ]))
+    print(f"\nMLA latent caches (DeepSeek V2/V3: kv_lora_rank {MLA_KV_LORA_RANK} + rope {MLA_ROPE_DIM}), bytes per "
+          f"token per layer: the latent in the preset's key encoding (one rotation over all {MLA_KV_LORA_RANK}), "
+          f"k_pe bf16; vLLM: bf16 = {mla_base['bf16']}, fp8 = {mla_base['fp8']}, "
+          f"fp8_ds_mla = {mla_base['fp8_ds_mla']}")
+    print(format_table(mla, [
+        ("name", "name", ""), ("latent", "latent", ""), ("latent_index_bytes", "latent B", ""),
+        ("latent_scale_bytes", "scale B", ""), ("k_pe_bytes", "k_pe B", ""), ("bytes_per_token", "bytes", ""),
+        ("vs_bf16", "x bf16", ".2f"), ("vs_fp8", "x fp8", ".2f"), ("vs_fp8_ds_mla", "x fp8_ds_mla", ".2f"),
     ]))
     return EXIT_OK
 
@@ -246,6 +287,9 @@ def cmd_memory(args) -> int:
     if args.json:
         _print_json(report)
         return EXIT_OK
+    if report.get("attention") == "mla":
+        _print_mla_memory(report)
+        return EXIT_OK
     r = report
     print(f"{r['model_type']}: {r['num_layers']} layers ({r['full_layers']} full, {r['windowed_layers']} windowed, "
           f"{r['no_kv_layers']} without KV; {r['layer_types_source']}), {r['num_kv_heads']} KV heads, "
@@ -260,16 +304,36 @@ def cmd_memory(args) -> int:
         ("kv_gib", "KV GiB per GPU" if tp > 1 else "KV GiB", ".3f"), ("vs_bf16", "x bf16", ".2f"),
         ("vs_fp8", "x fp8", ".2f"),
     ]
-    if r["gpu_mem_gib"]:
-        rows = [{**row, "max_context": "unlimited" if row["max_context"] is None else row["max_context"],
-                 "max_total_tokens": "unlimited" if row["max_total_tokens"] is None else row["max_total_tokens"]}
-                for row in r["rows"]]
-        columns += [("fits", "fits", ""), ("max_context", "max context/seq", ""),
-                    ("max_total_tokens", "max tokens total", "")]
-    else:
-        rows = r["rows"]
+    rows, columns = _with_fit_columns(r, columns)
     print(format_table(rows, columns))
     return EXIT_OK
+
+
+def _with_fit_columns(report: dict, columns: list[tuple[str, str, str]]) -> tuple[list[dict], list]:
+    """The rows and columns with the fit columns added when the report has a memory budget."""
+    if not report["gpu_mem_gib"]:
+        return report["rows"], columns
+    rows = [{**row, "max_context": "unlimited" if row["max_context"] is None else row["max_context"],
+             "max_total_tokens": "unlimited" if row["max_total_tokens"] is None else row["max_total_tokens"]}
+            for row in report["rows"]]
+    return rows, columns + [("fits", "fits", ""), ("max_context", "max context/seq", ""),
+                            ("max_total_tokens", "max tokens total", "")]
+
+
+def _print_mla_memory(r: dict) -> None:
+    tp = r["tensor_parallel_size"]
+    print(f"{r['model_type']}: {r['num_layers']} MLA layers, {r['num_heads']} heads sharing one latent entry per token "
+          f"and layer (kv_lora_rank {r['kv_lora_rank']} + rope {r['rope_dim']})"
+          + (f"; the whole latent cache on each of {tp} GPUs (tensor parallel)" if tp > 1 else ""))
+    print(f"context {r['context']} tokens x batch {r['batch']}"
+          + (f", {r['gpu_mem_gib']:g} GiB for the KV cache" + (" on each GPU" if tp > 1 else "")
+             if r["gpu_mem_gib"] else ""))
+    rows, columns = _with_fit_columns(r, [
+        ("name", "format", ""), ("origin", "origin", ""), ("bytes_per_token_per_layer", "B/token/layer", ""),
+        ("kv_gib", "KV GiB per GPU" if tp > 1 else "KV GiB", ".3f"), ("tokens_per_gib", "tokens/GiB", ""),
+        ("vs_bf16", "x bf16", ".2f"), ("vs_fp8", "x fp8", ".2f"), ("vs_fp8_ds_mla", "x fp8_ds_mla", ".2f"),
+    ])
+    print(format_table(rows, columns))
 
 
 # ----------------------------------------------------------------------------- eval-ppl
@@ -330,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
 
-    p = sub.add_parser("memory", help="KV-cache size of a Hugging Face model per preset")
+    p = sub.add_parser("memory", help="KV-cache size of a Hugging Face model per preset (MLA models too)")
     p.add_argument("--config", required=True, help="path to the model's config.json (or its folder)")
     p.add_argument("--context", type=_positive_int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=_positive_int, default=1, help="concurrent sequences (1)")

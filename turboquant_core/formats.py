@@ -11,6 +11,9 @@ Per token and KV head, a component (K or V) is one of
 - ``CodebookComponent(bits)``: packed codebook indices (``packing.PACKING_LAYOUT``) + one fp16 scale (2 B),
 - ``Fp8Component()``: d float8 e4m3 bytes of the rotated vector, no scale.
 Each answers for itself (bytes, quantizer, ``has_codebook``, ``stores_scale``, ...): callers do not test a kind.
+
+MLA layers (DeepSeek V2/V3 style) cache one latent per token and layer instead of K and V per head; every
+preset has an MLA variant (``MLAFormat``, ``mla_format``), whose exact bytes and page entry are stated there.
 """
 
 from __future__ import annotations
@@ -195,6 +198,125 @@ KV_FORMATS: dict[str, KVFormat] = {
 # Names that once existed; they must never be reused with another meaning.
 RETIRED_FORMATS: dict[str, str] = {}
 
+# ----------------------------------------------------------------------------------------------
+# MLA (multi-head latent attention) page entries
+# ----------------------------------------------------------------------------------------------
+
+MLA_KV_LORA_RANK = 512  # DeepSeek V2 / V3 / Kimi K2: the latent kv_c
+MLA_ROPE_DIM = 64  # qk_rope_head_dim: the rope key k_pe, shared by all heads
+MLA_FP8_DS_TILE = 128  # vLLM's fp8_ds_mla: one fp32 scale per 128 latent coordinates
+
+
+@dataclass(frozen=True)
+class MLAFormat:
+    """The MLA variant of a KV preset: what one token occupies per MLA layer (``kv_lora_rank`` + ``rope_dim``).
+
+    An MLA layer caches, per token, the normalized latent kv_c (``kv_lora_rank`` coordinates) and the rope key
+    k_pe (``rope_dim``), both shared by every head. Here:
+
+    - the latent takes the preset's *key* encoding (``KVFormat.key``, seed ``key_seed``): in MLA the latent is
+      both the key (scores read q_nope_absorbed . kv_c) and the value (the output is sum_j p_j kv_c_j), and the
+      key is what the softmax is sensitive to, value error averaging out over the tokens. So k3v4 gives a 3-bit
+      latent, k4v3 a 4-bit one, k8v4 an fp8 one; presets with equal key encodings have equal MLA entries;
+    - the rotation spans all ``kv_lora_rank`` coordinates, with one norm per token: ``rotation.rotate`` supports
+      512 (a randomized Hadamard: O(d log d) as ``rotation.fwht``, a +-1 product of 512 multiply-adds per
+      coordinate in the kernels, four times 4 blocks of 128). That cost is paid once per stored token and once
+      per query head and step (attention runs in the rotated domain: the absorbed query is rotated once, the
+      latent output un-rotated once), never per cached token read. Blocks of 128 would store 4 scales (6 more
+      bytes per token) and spread an outlier channel over 128 coordinates instead of 512;
+    - k_pe stays bf16 (2 bytes per coordinate, as given): 64 of the 576 coordinates, a fifth of bf16's bytes
+      here and a third of a 3-bit entry, and the part of the score that carries position; vLLM's fp8_ds_mla
+      keeps it in bf16 too.
+
+    One token's entry, in page section order (``ops.mla_layout.MLAPagedLayout``: each section is contiguous over the
+    page's tokens and starts 16-byte aligned):
+
+    =================  ====================================  ===============================================
+    section            bytes per token                       content
+    =================  ====================================  ===============================================
+    latent indices     ``latent.index_bytes(kv_lora_rank)``  planar8 codebook indices per segment of the
+                                                             rotated latent (``ops.codec.encode``'s bytes);
+                                                             fp8 latents: kv_lora_rank e4m3fn bytes of R kv_c
+    k_pe               2 * rope_dim                          rope_dim bf16 values
+    latent scale       2 (codebook latents only)             fp16 norm-corrected scale
+    =================  ====================================  ===============================================
+
+    >>> mla_format("turboquant_k3v4_nc").bytes_per_token()  # 192 + 128 + 2
+    322
+    """
+
+    preset: KVFormat
+    kv_lora_rank: int = MLA_KV_LORA_RANK
+    rope_dim: int = MLA_ROPE_DIM
+
+    def __post_init__(self):
+        check_head_dim(self.kv_lora_rank)
+        if self.rope_dim <= 0 or self.rope_dim % 8:
+            raise ValueError(f"rope_dim must be a positive multiple of 8 (16-byte bf16 rows), got {self.rope_dim}")
+
+    @property
+    def name(self) -> str:
+        return self.preset.name
+
+    @property
+    def latent(self) -> ComponentFormat:
+        return self.preset.key
+
+    @property
+    def seed(self) -> int:
+        return self.preset.key_seed
+
+    @property
+    def head_size(self) -> int:
+        """kv_lora_rank + rope_dim: what vLLM calls the MLA cache's head size (576)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def latent_index_bytes(self) -> int:
+        return self.latent.index_bytes(self.kv_lora_rank)
+
+    def latent_scale_bytes(self) -> int:
+        return self.latent.scale_bytes()
+
+    def rope_bytes(self) -> int:
+        return BF16_BYTES * self.rope_dim
+
+    def bytes_per_token(self) -> int:
+        """Exact bytes of one token's entry in one MLA layer."""
+        return self.latent_index_bytes() + self.rope_bytes() + self.latent_scale_bytes()
+
+    def entry_sections(self) -> tuple[tuple[str, int], ...]:
+        """(name, bytes per token) in page order; a scale section only for codebook latents."""
+        out = (("latent_index", self.latent_index_bytes()), ("k_pe", self.rope_bytes()))
+        return out + ((("latent_scale", self.latent_scale_bytes()),) if self.latent.stores_scale else ())
+
+    def compression_vs(self, baseline: str) -> float:
+        """Tokens held per token of ``baseline`` in the same memory (``mla_baseline_bytes``)."""
+        return mla_baseline_bytes(self.kv_lora_rank, self.rope_dim)[baseline] / self.bytes_per_token()
+
+    def latent_quantizer(self):
+        """The reference (torch) quantizer of the latent."""
+        return self.latent.quantizer(self.kv_lora_rank, self.seed)
+
+
+def mla_baseline_bytes(kv_lora_rank: int = MLA_KV_LORA_RANK, rope_dim: int = MLA_ROPE_DIM) -> dict[str, int]:
+    """vLLM 0.26's own MLA entries, bytes per token and layer:
+
+    - ``bf16``: kv_c and k_pe in bf16 (``auto`` on a bf16 model): 2 * 576 = 1152;
+    - ``fp8``: kv_c and k_pe as e4m3 with one per-tensor scale (``--kv-cache-dtype fp8`` with the dense MLA
+      backends, FlashMLA and Triton MLA: DeepSeek V2/V3): 576;
+    - ``fp8_ds_mla``: 512 e4m3 + one fp32 scale per 128 + 64 bf16 rope (DeepSeek V3.2's sparse MLA): 656.
+    """
+    return {
+        "bf16": BF16_BYTES * (kv_lora_rank + rope_dim),
+        "fp8": kv_lora_rank + rope_dim,
+        "fp8_ds_mla": kv_lora_rank + 4 * -(-kv_lora_rank // MLA_FP8_DS_TILE) + BF16_BYTES * rope_dim,
+    }
+
+
+def mla_format(name: str | KVFormat, kv_lora_rank: int = MLA_KV_LORA_RANK, rope_dim: int = MLA_ROPE_DIM) -> MLAFormat:
+    """The MLA variant of preset ``name`` (an unknown name raises with the list of valid ones)."""
+    return MLAFormat(name if isinstance(name, KVFormat) else get_format(name), kv_lora_rank, rope_dim)
+
 WEIGHT_GROUP_SIZE = 128
 WEIGHT_ROTATION_SEED = 0x7C03
 
@@ -287,6 +409,13 @@ def _check_table() -> None:
         for d in SUPPORTED_HEAD_DIMS:
             n = f.bytes_per_token_per_head(d)
             assert 0 < n < 2 * BF16_BYTES * d, (f.name, d, n)
+    base = mla_baseline_bytes()
+    assert base == {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}, base
+    for f in KV_FORMATS.values():
+        m = mla_format(f)
+        n = m.bytes_per_token()
+        assert n == sum(b for _, b in m.entry_sections()) and 0 < n < base["bf16"], (f.name, n)
+        assert all(b % 2 == 0 for _, b in m.entry_sections()), f.name  # fp16 / bf16 sections stay aligned
     for w in WEIGHT_FORMATS.values():
         assert w.name not in KV_FORMATS and w.code.bits in (2, 3, 4), w.name
         assert w.bytes_per_group() * 8 == w.group_size * w.bits + 8 * NORM_BYTES, w.name

@@ -7,6 +7,11 @@ and linear-attention / state-space layers hold no KV cache at all. Bytes are exa
 KV head (``KVFormat.bytes_per_token_per_head``); block rounding and allocator overheads of a serving
 engine are not included.
 
+MLA models (a ``kv_lora_rank`` in the config: DeepSeek V2/V3, Kimi K2) cache one latent entry per token and
+layer, shared by every head and replicated on every tensor-parallel rank (``mla_shape_from_config``); their
+report compares vLLM's own MLA entries (``formats.mla_baseline_bytes``: bf16 1152 B, fp8 576 B, fp8_ds_mla
+656 B) with each preset's MLA entry (``formats.MLAFormat``).
+
 Which layers slide comes from ``layer_types`` when the config has it. Older configs leave it out
 (Gemma 2, Gemma 3); then transformers, when installed, fills it in the way the model code does,
 and without transformers a set ``sliding_window`` is taken to apply to every layer (Mistral).
@@ -19,7 +24,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .formats import BF16_BYTES, KV_FORMATS, get_format
+from .formats import BF16_BYTES, KV_FORMATS, get_format, mla_baseline_bytes, mla_format
 from .rotation import SUPPORTED_HEAD_DIMS
 
 FP8_BYTES = 1
@@ -121,7 +126,8 @@ def kv_shape_from_config(cfg: dict) -> KVShape:
     """The per-layer KV layout of a decoder config (raises ``ModelConfigError`` with what is missing)."""
     cfg = _text_config(cfg)
     if cfg.get("kv_lora_rank"):
-        raise ModelConfigError("MLA configs (kv_lora_rank, e.g. DeepSeek V2/V3) keep a latent KV cache; not supported")
+        raise ModelConfigError("MLA configs (kv_lora_rank, e.g. DeepSeek V2/V3) keep one latent per token and layer, "
+                               "not K and V per head: mla_shape_from_config sizes them")
     layers = _require_int(cfg, "num_hidden_layers")
     if cfg.get("num_key_value_heads") is not None:
         kv_heads = _require_int(cfg, "num_key_value_heads")
@@ -173,6 +179,48 @@ def kv_shape_from_config(cfg: dict) -> KVShape:
     return KVShape(str(cfg.get("model_type", "unknown")), layers, kv_heads, head_dim, tuple(windows), source)
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """What the KV cache of one sequence looks like in an MLA model: one entry of ``kv_lora_rank`` latent and
+    ``rope_dim`` rope coordinates per token and layer, whatever the number of heads."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    nope_head_dim: int | None
+    v_head_dim: int | None
+
+    def kv_shape(self) -> KVShape:
+        """The same cache as a ``KVShape`` of one KV head of head_dim kv_lora_rank + rope_dim, every layer full:
+        its byte and fit arithmetic, given bytes per token and layer for ``bytes_per_token_per_head``."""
+        return KVShape(self.model_type, self.num_layers, 1, self.kv_lora_rank + self.rope_dim,
+                       (None,) * self.num_layers, "MLA: one latent entry per token and layer")
+
+
+def is_mla_config(cfg: dict) -> bool:
+    return bool(_text_config(cfg).get("kv_lora_rank"))
+
+
+def mla_shape_from_config(cfg: dict) -> MLAShape:
+    """The latent cache of an MLA decoder config (``kv_lora_rank``, ``qk_rope_head_dim``; raises
+    ``ModelConfigError`` with what is missing or unsupported)."""
+    cfg = _text_config(cfg)
+    rank = _require_int(cfg, "kv_lora_rank")
+    rope = _require_int(cfg, "qk_rope_head_dim")
+    layers = _require_int(cfg, "num_hidden_layers")
+    heads = _require_int(cfg, "num_attention_heads")
+    if rank not in SUPPORTED_HEAD_DIMS:
+        raise ModelConfigError(f"kv_lora_rank {rank} is not supported by the TurboQuant rotations; supported: "
+                               f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if rope % 8:
+        raise ModelConfigError(f"qk_rope_head_dim {rope} is not a multiple of 8")
+    nope, v = cfg.get("qk_nope_head_dim"), cfg.get("v_head_dim")
+    return MLAShape(str(cfg.get("model_type", "unknown")), layers, heads, rank, rope,
+                    nope if isinstance(nope, int) else None, v if isinstance(v, int) else None)
+
+
 def context_warning(cfg: dict, context: int) -> str | None:
     """Why ``context`` tokens are beyond what the model was configured for, or None when they are not."""
     limit = _text_config(cfg).get("max_position_embeddings")
@@ -219,6 +267,8 @@ def memory_report(
         raise ValueError(f"--batch must be positive, got {batch}")
     if gpu_mem_gib is not None and not gpu_mem_gib > 0:
         raise ValueError(f"--gpu-mem-gb must be positive, got {gpu_mem_gib}")
+    if is_mla_config(cfg):
+        return mla_memory_report(cfg, context, batch, gpu_mem_gib, presets, tensor_parallel_size)
     model_shape = kv_shape_from_config(cfg)
     shape = replace(model_shape, num_kv_heads=kv_heads_per_gpu(cfg, model_shape.num_kv_heads, tensor_parallel_size))
     d = shape.head_dim
@@ -226,26 +276,7 @@ def memory_report(
     entries = [("bf16", "baseline", 2 * BF16_BYTES * d), ("fp8", "baseline", 2 * FP8_BYTES * d)]
     entries += [(n, get_format(n).origin, get_format(n).bytes_per_token_per_head(d)) for n in names]
     budget = None if gpu_mem_gib is None else int(gpu_mem_gib * GIB)
-    bf16_bytes = shape.kv_bytes(context, batch, 2 * BF16_BYTES * d)
-    fp8_bytes = shape.kv_bytes(context, batch, 2 * FP8_BYTES * d)
-    rows = []
-    for name, origin, bpt in entries:
-        total = shape.kv_bytes(context, batch, bpt)
-        row = {
-            "name": name,
-            "origin": origin,
-            "bytes_per_token_per_head": bpt,
-            "kv_bytes": total,
-            "kv_gib": total / GIB,
-            "vs_bf16": bf16_bytes / total if total else math.nan,
-            "vs_fp8": fp8_bytes / total if total else math.nan,
-        }
-        if budget is not None:
-            max_ctx = shape.max_context(batch, bpt, budget)
-            row["fits"] = total <= budget
-            row["max_context"] = max_ctx
-            row["max_total_tokens"] = None if max_ctx is None else max_ctx * batch
-        rows.append(row)
+    rows = _size_rows(shape, entries, context, batch, budget, {"bf16": 2 * BF16_BYTES * d, "fp8": 2 * FP8_BYTES * d})
     windows = shape.layer_windows
     return {
         "model_type": shape.model_type,
@@ -258,6 +289,78 @@ def memory_report(
         "windowed_layers": sum(1 for w in windows if w),
         "no_kv_layers": sum(1 for w in windows if w == 0),
         "layer_types_source": shape.layer_types_source,
+        "max_position_embeddings": _text_config(cfg).get("max_position_embeddings"),
+        "context": context,
+        "batch": batch,
+        "gpu_mem_gib": gpu_mem_gib,
+        "rows": rows,
+    }
+
+
+def _size_rows(shape: KVShape, entries: list[tuple[str, str, int]], context: int, batch: int,
+               budget: int | None, baselines: dict[str, int]) -> list[dict]:
+    """One row per (name, origin, bytes per token per head) entry; ``vs_<name>`` against each baseline."""
+    base_bytes = {b: shape.kv_bytes(context, batch, n) for b, n in baselines.items()}
+    rows = []
+    for name, origin, bpt in entries:
+        total = shape.kv_bytes(context, batch, bpt)
+        row = {"name": name, "origin": origin, "bytes_per_token_per_head": bpt, "kv_bytes": total,
+               "kv_gib": total / GIB}
+        for b, n in base_bytes.items():
+            row[f"vs_{b}"] = n / total if total else math.nan
+        if budget is not None:
+            max_ctx = shape.max_context(batch, bpt, budget)
+            row["fits"] = total <= budget
+            row["max_context"] = max_ctx
+            row["max_total_tokens"] = None if max_ctx is None else max_ctx * batch
+        rows.append(row)
+    return rows
+
+
+def mla_memory_report(
+    cfg: dict,
+    context: int,
+    batch: int = 1,
+    gpu_mem_gib: float | None = None,
+    presets: list[str] | None = None,
+    tensor_parallel_size: int = 1,
+) -> dict:
+    """``memory_report`` for an MLA model: bytes per GPU of vLLM's bf16, fp8 and fp8_ds_mla entries and of each
+    preset's MLA entry, at ``context`` tokens x ``batch`` sequences, and the tokens one GiB holds.
+
+    vLLM keeps the whole latent cache on every tensor-parallel rank (the latent is shared by all heads), so
+    ``tensor_parallel_size`` changes no size here; it is checked as vLLM would (it must divide the heads)."""
+    shape = mla_shape_from_config(cfg)
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be positive, got {tp}")
+    if shape.num_heads % tp:
+        valid = [n for n in range(1, shape.num_heads + 1) if shape.num_heads % n == 0]
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {shape.num_heads} attention "
+                         f"heads; valid sizes: {', '.join(map(str, valid))}")
+    rank, rope = shape.kv_lora_rank, shape.rope_dim
+    baselines = mla_baseline_bytes(rank, rope)
+    names = presets if presets is not None else list(KV_FORMATS)
+    entries = [(b, "baseline", n) for b, n in baselines.items()]
+    entries += [(n, get_format(n).origin, mla_format(n, rank, rope).bytes_per_token()) for n in names]
+    kv = shape.kv_shape()
+    budget = None if gpu_mem_gib is None else int(gpu_mem_gib * GIB)
+    rows = _size_rows(kv, entries, context, batch, budget, baselines)
+    for row in rows:
+        row["bytes_per_token_per_layer"] = row.pop("bytes_per_token_per_head")
+        row["tokens_per_gib"] = GIB // (row["bytes_per_token_per_layer"] * shape.num_layers)
+        if row["origin"] != "baseline":
+            row["latent"] = mla_format(row["name"], rank, rope).latent.describe()
+    return {
+        "attention": "mla",
+        "model_type": shape.model_type,
+        "num_layers": shape.num_layers,
+        "num_heads": shape.num_heads,
+        "kv_lora_rank": rank,
+        "rope_dim": rope,
+        "qk_nope_head_dim": shape.nope_head_dim,
+        "v_head_dim": shape.v_head_dim,
+        "tensor_parallel_size": tp,
         "max_position_embeddings": _text_config(cfg).get("max_position_embeddings"),
         "context": context,
         "batch": batch,

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TurboQuant MLA cache ops (page layout: ``ops.mla_layout``; references: ``ops.mla_reference``).
+
+- ``mla_store(kv_c, k_pe, cache, slot_mapping, layout)``: vLLM's ``concat_and_cache_mla`` contract into
+  TurboQuant MLA pages: the latent rotated, quantized and packed, k_pe as bf16, slots < 0 skipped; one launch,
+  no host synchronization. Reference: ``mla_reference.mla_store_ref``.
+- ``mla_decode_attention(ql_nope, q_pe, cache, layout, block_table, seq_lens, softmax_scale)``: decode attention
+  with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
+  reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
+  kernel and the merged output rotated back once per head after it. Reference:
+  ``mla_reference.mla_decode_attention_ref``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from ..kernels.mla_decode_jit import tq_mla_decode_kernel
+from ..kernels.mla_store_jit import tq_mla_store_kernel
+from ..kernels.paged_attention_jit import tq_merge_splits_kernel
+from .mla_layout import MLAPagedLayout, mla_cache_views, mla_tables
+
+MLA_STORE_ROWS = 16  # tokens per store program: decode batches have few tokens, so more and shorter programs
+MLA_STORE_WARPS = 4
+
+
+def _check_store_inputs(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+                        layout: MLAPagedLayout) -> None:
+    lr, r = layout.kv_lora_rank, layout.rope_dim
+    if kv_c.dim() != 2 or kv_c.shape[1] != lr:
+        raise ValueError(f"kv_c must be [num_tokens, {lr}], got {tuple(kv_c.shape)}")
+    if k_pe.dim() != 2 or k_pe.shape != (kv_c.shape[0], r):
+        raise ValueError(f"k_pe must be [num_tokens, {r}] (vLLM passes k_pe.squeeze(1)), got {tuple(k_pe.shape)}")
+    for name, x in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if r & (r - 1):
+        raise ValueError(f"the store kernel needs a power-of-two rope_dim, got {r}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < kv_c.shape[0]:
+        raise ValueError(f"slot_mapping must be 1-D with >= {kv_c.shape[0]} entries, got {tuple(slot_mapping.shape)}")
+
+
+def mla_store(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+              layout: MLAPagedLayout) -> None:
+    """Write kv_c [T, kv_lora_rank] and k_pe [T, rope_dim] (fp16 / bf16 / fp32) into ``cache`` (uint8
+    [num_blocks, page_bytes]) at ``slot_mapping`` [>= T] (int32 or int64; < 0: skipped). The cache comes from
+    ``mla_layout.allocate_mla_cache(num_blocks, layout, device)`` (or any view of that shape and layout)."""
+    _check_store_inputs(kv_c, k_pe, slot_mapping, layout)
+    u8, f16, bf16 = mla_cache_views(cache, layout)
+    num_tokens = kv_c.shape[0]
+    if num_tokens == 0:
+        return
+    t = mla_tables(layout, kv_c.device)
+    c = t.codec
+    lev0, bnd0, lev1, bnd1 = c.encode_tables()
+    const = {**layout.kernel_constexprs(), **t.segment_constexprs(layout.latent_is_fp8)}
+    tq_mla_store_kernel[(triton.cdiv(num_tokens, MLA_STORE_ROWS), 2)](
+        kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), slot_mapping, u8, f16, bf16, u8.stride(0),
+        c.rot_hi, c.rot_lo, c.rot_bf16, lev0, bnd0, lev1, bnd1, num_tokens, c.rot_scale,
+        math.sqrt(layout.kv_lora_rank), BN=MLA_STORE_ROWS, num_warps=MLA_STORE_WARPS, **const,
+    )
+
+
+# Decode: heads per program (the MMA's rows: 16 is its smallest height), tokens per tile, warps, and splits.
+MLA_DECODE_HEADS = 16
+MLA_DECODE_TOKENS = 32
+MLA_DECODE_WARPS = 8
+MLA_MIN_TOKENS_PER_SPLIT = 256
+MLA_MAX_SPLITS = 64
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def mla_decode_splits(num_reqs: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """KV splits per request: enough programs to fill the device twice over, none shorter than
+    ``MLA_MIN_TOKENS_PER_SPLIT`` tokens, at most ``MLA_MAX_SPLITS`` (one on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    programs = num_reqs * triton.cdiv(num_heads, MLA_DECODE_HEADS)
+    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count // max(programs, 1)
+    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), MLA_MIN_TOKENS_PER_SPLIT), MLA_MAX_SPLITS))
+
+
+def _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout: MLAPagedLayout) -> None:
+    lr, r = layout.kv_lora_rank, layout.rope_dim
+    if ql_nope.dim() != 3 or ql_nope.shape[-1] != lr or q_pe.shape != (*ql_nope.shape[:2], r):
+        raise ValueError(f"ql_nope [B, H, {lr}] and q_pe [B, H, {r}] expected, got {tuple(ql_nope.shape)} and "
+                         f"{tuple(q_pe.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] < ql_nope.shape[0] or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be [>= {ql_nope.shape[0]}, max_blocks] with a contiguous last dim, got "
+                         f"{tuple(block_table.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] < ql_nope.shape[0]:
+        raise ValueError(f"seq_lens must be 1-D with >= {ql_nope.shape[0]} entries, got {tuple(seq_lens.shape)}")
+    if r & (r - 1):
+        raise ValueError(f"the decode kernel needs a power-of-two rope_dim, got {r}")
+
+
+def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, layout: MLAPagedLayout,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, *,
+                         max_seq_len: int | None = None,
+                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention with the absorbed query over TurboQuant MLA pages: ql_nope [B, H, kv_lora_rank] (W_UK
+    applied), q_pe [B, H, rope_dim], request b reading its first seq_lens[b] tokens through block_table[b] ->
+    (out [B, H, kv_lora_rank] in ql_nope's dtype, the latent output before W_UV; lse [B, H] fp32, natural log,
+    -inf for a request with no token).
+
+    ``max_seq_len`` (a host int, as vLLM's metadata has it) sizes the splits; without it the seq_lens are read
+    (a host synchronization). ``num_splits`` overrides the split count."""
+    _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout)
+    u8, f16, bf16 = mla_cache_views(cache, layout)
+    b, h, lr = ql_nope.shape
+    dev = ql_nope.device
+    t = mla_tables(layout, dev)
+    c = t.codec
+    lp = c.dim_pad
+    # Rotate the absorbed queries once per head, into kernel order, pre-scaled for base-2 softmax.
+    rows = t.attn_rows  # [L_PAD kernel-order positions, L]
+    qk_scale = softmax_scale * LOG2E
+    q_rot = ((ql_nope.float() @ rows.T) * (c.rot_scale * qk_scale)).to(torch.float16).contiguous()
+    q_pe16 = (q_pe.float() * qk_scale).to(torch.float16).contiguous()
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens[:b].max()) if b else 0
+        num_splits = mla_decode_splits(b, h, max_seq_len, dev)
+    part_o = torch.empty(num_splits, b, h, lp, dtype=torch.float32, device=dev)
+    part_l = torch.empty(num_splits, b, h, dtype=torch.float32, device=dev)
+    out_rot = torch.empty(b, h, lp, dtype=torch.float32, device=dev)
+    lse = torch.empty(h, b, dtype=torch.float32, device=dev)
+    if b == 0:
+        return torch.empty(0, h, lr, dtype=ql_nope.dtype, device=dev), lse.t()
+    seg = t.segment_constexprs(layout.latent_is_fp8)
+    seg.pop("EXACT_ROT")
+    lc = layout.kernel_constexprs()
+    tq_mla_decode_kernel[(b, triton.cdiv(h, MLA_DECODE_HEADS), num_splits)](
+        q_rot, q_rot.stride(0), q_rot.stride(1), q_pe16, q_pe16.stride(0), q_pe16.stride(1),
+        u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens, *t.cent_f16,
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        h, num_splits, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"], IDX_OFF=lc["IDX_OFF"],
+        ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
+        BLOCK_H=MLA_DECODE_HEADS, BLOCK_N=MLA_DECODE_TOKENS, WHILE_LOOP=_interpreting(), num_warps=MLA_DECODE_WARPS,
+    )
+    tq_merge_splits_kernel[(b, h)](
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        out_rot, out_rot.stride(0), out_rot.stride(1), lse, lse.stride(0), num_splits,
+        S_PAD=triton.next_power_of_2(num_splits), D=lp, D_PAD=lp, WRITE_LSE=True,
+    )
+    # Back from the rotated domain, once per head: out = R^T y (the kernel-order rows, +-1 times rot_scale).
+    out = (out_rot @ rows) * c.rot_scale
+    return out.to(ql_nope.dtype), lse.t()
+
+
+__all__ = ["MLA_STORE_ROWS", "mla_decode_attention", "mla_decode_splits", "mla_store"]
