@@ -83,3 +83,19 @@ def install_printer() -> None:
         print(res["kernel"], res["regs"], res["stack"], res["shared"], flush=True)
 
     install(on_launch)
+
+
+def run_probe(script: str) -> list[tuple[str, int, int, int]]:
+    """Run ``script`` (which calls ``install_printer`` and launches kernels) in a fresh interpreter with Triton
+    compiling rather than interpreting: (kernel, registers, spill bytes, shared bytes) per launch."""
+    import sys
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    if p.returncode != 0:
+        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
+    rows = [line.split() for line in p.stdout.strip().splitlines()]
+    return [(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]

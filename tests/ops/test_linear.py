@@ -130,20 +130,12 @@ def test_kernel_compiles_for_sm90_without_spills():
     """Every variant (both formats and activation types; the decoded weight and its rotation; the register-tile
     kernel with 8, 16 and 32 columns and its rotation) compiles for sm_90, the register codebook lookups the interpreter
     cannot run included, with no register spills."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.ops import sm90_probe
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
-    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=900, cwd=root)
-    if p.returncode != 0:
-        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
-    res = [line.split() for line in p.stdout.strip().splitlines()]
+    res = sm90_probe.run_probe(PROBE)
     want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 4 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 6
     assert [r[0] for r in res] == want, res
-    assert all(int(stack) == 0 for _, _, stack, _ in res), res
+    assert all(stack == 0 for _, _, stack, _ in res), res
 
 
 @pytest.mark.gpu

@@ -245,13 +245,7 @@ PROBE = r'''
 import torch
 from tests.ops import sm90_probe
 
-
-def on_launch(launch):
-    res = launch.compile()
-    print(res["kernel"], res["regs"], res["stack"], res["shared"], flush=True)
-
-
-sm90_probe.install(on_launch)
+sm90_probe.install_printer()
 
 from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_store
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
@@ -273,20 +267,12 @@ def test_kernels_compile_for_sm90_without_spills():
     """The store (every latent encoding, bf16 and fp16 inputs) and the decode attention with its split merge (every
     latent encoding) compile for sm_90, the register codebook lookups the interpreter cannot run included, with no
     register spills."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.ops import sm90_probe
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
-    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=900, cwd=root)
-    if p.returncode != 0:
-        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
-    res = [line.split() for line in p.stdout.strip().splitlines()]
+    res = sm90_probe.run_probe(PROBE)
     want = (["tq_mla_store_kernel"] * 2 + ["tq_mla_decode_kernel", "tq_merge_splits_kernel"]) * 6
     assert [r[0] for r in res] == want, res
-    assert all(int(stack) == 0 for _, _, stack, _ in res), res
+    assert all(stack == 0 for _, _, stack, _ in res), res
 
 
 # ----------------------------------------------------------------------------------------------
