@@ -32,9 +32,9 @@ def _dot(a, b):
 
 
 @triton.jit
-def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLOCK_B: tl.constexpr):
-    """XR [num_rows, groups * 128] (XR's type) = each group of X (zero past in_features) times ROT (M / 16): the
-    rotated activation in kernel order, for BLOCK_B rows (program 0) and one group (program 1)."""
+def _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B: tl.constexpr):
+    """This program's BLOCK_B rows (program 0) of group program 1 of X, zero past in_features, times ROT: exact
+    products (ROT's entries are powers of two), fp32 sums. Returns (rows, group, columns, row mask, product)."""
     bs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     gi = tl.program_id(1)
     d = tl.arange(0, GROUP)
@@ -43,7 +43,14 @@ def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLO
     x = tl.load(X + bs.to(tl.int64)[:, None] * stride_x + col[None, :],
                 mask=b_mask[:, None] & (col < in_features)[None, :], other=0.0)
     rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
-    xr = _dot(x, rot)
+    return bs, gi, col, b_mask, _dot(x, rot)
+
+
+@triton.jit
+def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLOCK_B: tl.constexpr):
+    """XR [num_rows, groups * 128] (XR's type) = each group of X (zero past in_features) times ROT (M / 16): the
+    rotated activation in kernel order, for BLOCK_B rows (program 0) and one group (program 1)."""
+    bs, gi, col, b_mask, xr = _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B)
     tl.store(XR + bs.to(tl.int64)[:, None] * stride_xr + col[None, :], xr.to(XR.dtype.element_ty),
              mask=b_mask[:, None])
 
@@ -56,15 +63,7 @@ def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, strid
     its columns in the MMA kernel's K order), XQ scaled by a power of two per (row, group) into [-2^14, 2^14]:
     fp16 keeps its 11 bits there whatever the activation's range. BLOCK_B rows (program 0), one group
     (program 1)."""
-    bs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    gi = tl.program_id(1)
-    d = tl.arange(0, GROUP)
-    col = gi * GROUP + d
-    b_mask = bs < num_rows
-    x = tl.load(X + bs.to(tl.int64)[:, None] * stride_x + col[None, :],
-                mask=b_mask[:, None] & (col < in_features)[None, :], other=0.0)
-    rot = tl.load(ROT + d[:, None] * GROUP + d[None, :])
-    xr = _dot(x, rot)  # sqrt(128) R x, exact products, fp32 sums
+    bs, gi, col, b_mask, xr = _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B)  # sqrt(128) R x
     amax = tl.max(tl.abs(xr), axis=1)
     scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
     tl.store(XQ + bs.to(tl.int64)[:, None] * stride_xq + col[None, :], (xr / scale[:, None]).to(tl.float16),
