@@ -5,6 +5,7 @@ of 16), keys centred and plain, CUDA-graph replay: the measurements behind ``ops
 
     python benchmarks/sweep_decode_splits.py --out splits.json
     python benchmarks/sweep_decode_splits.py --cases 8x32768:16,24,29 --formats turboquant_4bit_nc --out s.json
+    python benchmarks/sweep_decode_splits.py --cases 8x32768:24 --prefetch 0 1 2 --out s.json
 
 Each case is BATCHxCONTEXT with the split counts to time (default: a spread around the heuristic's); the
 heuristic's own count is always timed and marked.
@@ -23,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_paged_attention import build_batch, time_ms  # noqa: E402
+from turboquant_core.ops import paged_decode  # noqa: E402
 from turboquant_core.ops.key_centering import key_centering_tables  # noqa: E402
 from turboquant_core.ops.paged import TQAttentionPlan, new_center_sums, tq_key_center_sums  # noqa: E402
 from turboquant_core.ops.paged_attention import MIN_TOKENS_PER_SPLIT  # noqa: E402
@@ -40,7 +42,7 @@ def parse_case(text: str) -> tuple[int, int, list[int]]:
     return batch, context, [int(s) for s in splits.split(",") if s.strip()]
 
 
-def sweep_case(fmt: str, batch: int, context: int, splits: list[int], device: str) -> list[dict]:
+def sweep_case(fmt: str, batch: int, context: int, splits: list[int], device: str, prefetch: list[int]) -> list[dict]:
     b = build_batch(fmt, batch, context, hq=HQ, hkv=HKV, d=D, block_size=PAGE, device=device, keep_dense=False)
     lay, cache, bt, sl, qsl, q = b["layout"], b["cache"], b["block_table"], b["seq_lens"], b["qsl"], b["q"]
     theta = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # Qwen3's RoPE base
@@ -50,11 +52,12 @@ def sweep_case(fmt: str, batch: int, context: int, splits: list[int], device: st
     out = torch.empty_like(q)
     heuristic = num_decode_splits(batch, HKV, context, device, MIN_TOKENS_PER_SPLIT, 1 << 20)
     rows = []
-    for s in sorted(set(splits) | {heuristic}):
+    for s, pf in ((s, pf) for s in sorted(set(splits) | {heuristic}) for pf in prefetch):
+        paged_decode.DECODE_PREFETCH = pf
         plan = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=256 << 20)
         plan.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context, num_splits=s)
         row = dict(format=fmt, batch=batch, context=context, splits=plan.decode_splits, heuristic=s == heuristic,
-                   programs=batch * HKV * plan.decode_splits,
+                   prefetch=int(pf), programs=batch * HKV * plan.decode_splits,
                    centred_ms=time_ms(lambda p=plan: p.run(q, cache, out=out, centering=cent, center_sums=sums),
                                       graph=True),
                    plain_ms=time_ms(lambda p=plan: p.run(q, cache, out=out), graph=True))
@@ -68,10 +71,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--formats", nargs="+", default=["turboquant_k3v4_nc"])
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
+    ap.add_argument("--prefetch", nargs="+", type=int, default=[int(paged_decode.DECODE_PREFETCH)],
+                    help="tiles loaded ahead (ops.paged_decode.DECODE_PREFETCH): 0 none, 1 keys, 2 keys and values")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("timing needs a CUDA device")
-    rows = [r for fmt in args.formats for case in args.cases for r in sweep_case(fmt, *parse_case(case), "cuda")]
+    rows = [r for fmt in args.formats for case in args.cases
+            for r in sweep_case(fmt, *parse_case(case), "cuda", args.prefetch)]
     import triton
 
     args.out.write_text(json.dumps(dict(
@@ -79,12 +85,12 @@ def main(argv=None) -> int:
         sms=torch.cuda.get_device_properties(0).multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, command="python benchmarks/sweep_decode_splits.py " + " ".join(argv or sys.argv[1:]),
         rows=rows), indent=1))
-    print("| format | batch x context | splits | programs | centred us | plain us |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| format | batch x context | splits | prefetch | programs | centred us | plain us |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         mark = " (heuristic)" if r["heuristic"] else ""
-        print(f"| {r['format']} | {r['batch']} x {r['context']} | {r['splits']}{mark} | {r['programs']} | "
-              f"{1e3 * r['centred_ms']:.1f} | {1e3 * r['plain_ms']:.1f} |")
+        print(f"| {r['format']} | {r['batch']} x {r['context']} | {r['splits']}{mark} | {r['prefetch']} | "
+              f"{r['programs']} | {1e3 * r['centred_ms']:.1f} | {1e3 * r['plain_ms']:.1f} |")
     return 0
 
 

@@ -173,6 +173,7 @@ DECODE_KERNELS = {"tq_rotate_queries_kernel", "tq_paged_decode_kernel", "tq_merg
 REGISTER_TILE_CASES = {"turboquant_k3v4_nc", "turboquant_4bit_nc"}  # of CASES (k8v4 has fp8 keys)
 # Kernels that run once per stored token: a stack frame here (register spills) slows every step down.
 STORE_PATH_KERNELS = {"tq_paged_store_kernel", "tq_key_center_sums_kernel"}
+DECODE_STACK_BYTES = 8
 SM90_SHARED_BYTES = 232448  # H100/H200 limit per block
 
 
@@ -189,8 +190,12 @@ def _check_compiled(res: dict) -> None:
     assert {c["kernel"] for c in compiled} >= {"tq_paged_store_kernel", "tq_paged_attention_kernel"}
     too_big = [c for c in compiled if c["shared"] > SM90_SHARED_BYTES]
     assert not too_big, f"variants over the sm_90 shared-memory limit: {too_big}"
-    spills = [c for c in compiled if c["kernel"] in STORE_PATH_KERNELS | {"tq_paged_decode_kernel"} and c["stack"] != 0]
-    assert not spills, f"store-path or register-tile decode variants with a stack frame (spills): {spills}"
+    spills = [c for c in compiled if c["kernel"] in STORE_PATH_KERNELS and c["stack"] != 0]
+    assert not spills, f"store-path variants with a stack frame (spills): {spills}"
+    # The centred decode kernel, loading a tile ahead, keeps two loop-invariant words on the stack (ptxas, at any
+    # register limit); no more than that.
+    spills = [c for c in compiled if c["kernel"] == "tq_paged_decode_kernel" and c["stack"] > DECODE_STACK_BYTES]
+    assert not spills, f"register-tile decode variants with more than a {DECODE_STACK_BYTES}-byte stack: {spills}"
 
 
 @pytest.mark.slow

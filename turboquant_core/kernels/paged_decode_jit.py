@@ -147,21 +147,27 @@ def _planes_to_words(p0, p1, p2, p3, B: gl.constexpr, GR: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(cache_head, scale_head, page, stride_cb, start, hi, ktok, vtok, ts, kgofs, vgofs, PAGE: gl.constexpr,
-               KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr, GR: gl.constexpr,
-               GRV: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr,
-               V_SC_OFF: gl.constexpr, K_ROW: gl.constexpr, V_ROW: gl.constexpr):
-    """Every global load of the tile at ``start`` (in ``page``): K and V planes, K and V scales (zero at
-    positions >= hi)."""
+def _load_keys(cache_head, scale_head, page, stride_cb, start, hi, ktok, ts, kgofs, PAGE: gl.constexpr,
+               KB: gl.constexpr, KG: gl.constexpr, GR: gl.constexpr, K_IDX_OFF: gl.constexpr,
+               K_SC_OFF: gl.constexpr, K_ROW: gl.constexpr):
+    """The K planes and K scales of the tile at ``start`` (in ``page``; scales zero at positions >= hi)."""
     poff = start % PAGE
-    base = cache_head + page * stride_cb
-    kp0, kp1, kp2, kp3 = _load_planes(base + K_IDX_OFF, ((poff + ktok) * K_ROW)[:, None], kgofs, KG, KB, GR)
-    vp0, vp1, vp2, vp3 = _load_planes(base + V_IDX_OFF, ((poff + vtok) * V_ROW)[:, None], vgofs, VG, VB, GRV)
-    sptr = scale_head + page * (stride_cb // 2) + poff + ts
-    smask = start + ts < hi
-    ksc = gl.load(sptr + K_SC_OFF // 2, mask=smask, other=0.0)
-    vsc = gl.load(sptr + V_SC_OFF // 2, mask=smask, other=0.0)
-    return kp0, kp1, kp2, kp3, vp0, vp1, vp2, vp3, ksc, vsc
+    kp0, kp1, kp2, kp3 = _load_planes(cache_head + page * stride_cb + K_IDX_OFF, ((poff + ktok) * K_ROW)[:, None],
+                                      kgofs, KG, KB, GR)
+    ksc = gl.load(scale_head + page * (stride_cb // 2) + poff + ts + K_SC_OFF // 2, mask=start + ts < hi, other=0.0)
+    return kp0, kp1, kp2, kp3, ksc
+
+
+@gluon.jit
+def _load_values(cache_head, scale_head, page, stride_cb, start, hi, vtok, ts, vgofs, PAGE: gl.constexpr,
+                 VB: gl.constexpr, VG: gl.constexpr, GRV: gl.constexpr, V_IDX_OFF: gl.constexpr,
+                 V_SC_OFF: gl.constexpr, V_ROW: gl.constexpr):
+    """The V planes and V scales of the tile at ``start`` (in ``page``; scales zero at positions >= hi)."""
+    poff = start % PAGE
+    vp0, vp1, vp2, vp3 = _load_planes(cache_head + page * stride_cb + V_IDX_OFF, ((poff + vtok) * V_ROW)[:, None],
+                                      vgofs, VG, VB, GRV)
+    vsc = gl.load(scale_head + page * (stride_cb // 2) + poff + ts + V_SC_OFF // 2, mask=start + ts < hi, other=0.0)
+    return vp0, vp1, vp2, vp3, vsc
 
 
 @gluon.constexpr_function
@@ -219,7 +225,7 @@ def tq_paged_decode_kernel(
     DP: gl.constexpr, GQ: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, QL: gl.constexpr,
+    K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, QL: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warp each. A request's queries are its last q_len <= QL tokens
     (q_len from QUERY_START; causal: query i sees the first kv_len - q_len + 1 + i cached tokens); column
@@ -303,6 +309,17 @@ def tq_paged_decode_kernel(
 
     last = gl.maximum(kv_len - 1, 0)
     page = gl.load(bt_row + gl.minimum(lo, last) // PAGE).to(gl.int64)
+    if PREFETCH > 0:
+        # The next tile's keys (PREFETCH 1; and values, 2) are loaded before the current tile is computed, so a
+        # warp has two tiles' loads in flight. An empty split's first load reads page 0 (a row past a request's
+        # blocks may hold anything); loads past ``hi`` stay inside the clamped last page, their scales zero.
+        page = gl.where(lo < hi, page, 0)
+        nk0, nk1, nk2, nk3, nksc = _load_keys(cache_head, scale_head, page, stride_cb, lo, hi, ktok, ts, kgofs,
+                                              PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+        if PREFETCH == 2:
+            nv0, nv1, nv2, nv3, nvsc = _load_values(cache_head, scale_head, page, stride_cb, lo, hi, vtok, ts,
+                                                    vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+        next_page = gl.load(bt_row + gl.minimum(lo + BN, last) // PAGE).to(gl.int64)
     for start in range(lo, hi, BN):
         if CENTER:
             pg = start // PAGE
@@ -319,12 +336,24 @@ def tq_paged_decode_kernel(
                 gl.thread_barrier()
                 cur_blk = blk
         this_page = page
-        page = gl.load(bt_row + gl.minimum(start + BN, last) // PAGE).to(gl.int64)
-        kq0, kq1, kq2, kq3, vq0, vq1, vq2, vq3, ksc, vsc = _load_tile(
-            cache_head, scale_head, this_page, stride_cb, start, hi, ktok, vtok, ts, kgofs, vgofs, PAGE, KB, VB,
-            KG, VG, GR, GRV, K_IDX_OFF, V_IDX_OFF, K_SC_OFF, V_SC_OFF, K_ROW, V_ROW)
+        if PREFETCH > 0:
+            page = next_page
+            kq0, kq1, kq2, kq3, ksc = nk0, nk1, nk2, nk3, nksc
+            nk0, nk1, nk2, nk3, nksc = _load_keys(cache_head, scale_head, page, stride_cb, start + BN, hi, ktok, ts,
+                                                  kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+            if PREFETCH == 2:
+                vq0, vq1, vq2, vq3, vsc = nv0, nv1, nv2, nv3, nvsc
+                nv0, nv1, nv2, nv3, nvsc = _load_values(cache_head, scale_head, page, stride_cb, start + BN, hi, vtok,
+                                                        ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+            next_page = gl.load(bt_row + gl.minimum(start + 2 * BN, last) // PAGE).to(gl.int64)
+        else:
+            page = gl.load(bt_row + gl.minimum(start + BN, last) // PAGE).to(gl.int64)
+            kq0, kq1, kq2, kq3, ksc = _load_keys(cache_head, scale_head, this_page, stride_cb, start, hi, ktok, ts,
+                                                 kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+        if PREFETCH < 2:
+            vq0, vq1, vq2, vq3, vsc = _load_values(cache_head, scale_head, this_page, stride_cb, start, hi, vtok, ts,
+                                                   vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
         kw = gl.convert_layout(_planes_to_words(kq0, kq1, kq2, kq3, KB, GR), kw_l, assert_trivial=True)
-        vw = gl.convert_layout(_planes_to_words(vq0, vq1, vq2, vq3, VB, GRV), vw_l, assert_trivial=True)
         tmask = start + ts < hi
 
         # keys: words -> K tile in A-operand registers -> scores S^T
@@ -356,7 +385,9 @@ def tq_paged_decode_kernel(
         # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
         pt = _transpose_8x8((p * vsc.to(gl.float32)[:, None]).to(gl.float16), NQ)
         pt = gl.convert_layout(pt, b_op, assert_trivial=True)
-        # values: words -> V^T tile in A-operand registers -> accumulate O^T
+        # values: words -> V^T tile in A-operand registers -> accumulate O^T (the values' loads had the keys'
+        # work to arrive)
+        vw = gl.convert_layout(_planes_to_words(vq0, vq1, vq2, vq3, VB, GRV), vw_l, assert_trivial=True)
         vf = _fields(vw, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, VB)  # [BN, 8, GRV, 2, 2, 2]
         vt = gl.reshape(gl.permute(vf, [2, 5, 4, 3, 1, 0]), [DP, BN])
         vt = gl.convert_layout(vt, a_op, assert_trivial=True)

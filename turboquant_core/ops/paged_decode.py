@@ -35,6 +35,11 @@ DECODE_PROGRAMS_PER_SM = 12
 # A split count whose waves are fuller by more than this is worth its extra splits; within it, fewer splits win
 # (each split adds a prologue, partial outputs and merge work).
 WAVE_FILL_SLACK = 0.05
+# Tiles loaded ahead by each warp: 2 the next tile's keys and values (0 none; 1 its keys only, the current
+# tile's values loading while its keys are computed). 2 is the fastest at every measured shape; its centred
+# variant keeps two loop-invariant words on the stack, and 1 needs more registers than 2
+# (benchmarks/results/2026-11-25-h200-decode-prefetch/).
+DECODE_PREFETCH = 2
 ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
 
 
@@ -213,7 +218,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
         KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
-        CENTER=centering is not None, QL=ql, num_warps=1,
+        CENTER=centering is not None, QL=ql, PREFETCH=DECODE_PREFETCH, num_warps=1,
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
