@@ -65,9 +65,11 @@ QL = 4 if "spec" in sys.argv[7:] else 1
 # "prefill": TQConfig.prefill_from_cache, chunks attend to their own stored tokens (causal over the sequence) and
 # never take the context path; the builder's warm-up then compiles the prefill variants instead of the context ones
 PREFILL = "prefill" in sys.argv[7:]
+# Long chunks of layers without a window read their context as dense rows (the builder's gather workspace).
+GATHER = not PREFILL and window is None
 warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, sliding_window=window, centering=cent,
                decode_query_lens=(1, QL) if QL > 1 else (1,),
-               paths=("decode", "prefill") if PREFILL else ("decode", "context"))
+               paths=("decode", "prefill") if PREFILL else ("decode", "context") + (("gather",) if GATHER else ()))
 warm = set(seen)
 if MODE == "compile":
     print(json.dumps(dict(compiled=list(compiled.values()))))
@@ -143,6 +145,20 @@ for first in (0, 1, 3, 8):
                               max_seq_len=ctx_len, causal=False, sliding_window=window)
                 plan.run(q, cache, out=out, return_lse=not PREFILL, **cen,
                          **({"center_sums": sums[first:]} if cen else {}))
+# The gather workspace's leading rows: a step's prefill requests' contexts, then their fresh tokens.
+if GATHER:
+    from turboquant_core.ops.paged import tq_gather_dequant
+
+    rows_k = torch.empty(4096 * 3 + 600, hkv, d, dtype=torch.bfloat16)
+    rows_v = torch.empty_like(rows_k)
+    for first in (0, 1, 3, 8):
+        for ctx_len in (24, 4096):
+            for reqs in (1, 2, 3):
+                kv = torch.full((reqs,), ctx_len, dtype=torch.int32)
+                cu = torch.arange(reqs + 1, dtype=torch.int32) * (ctx_len + 64)
+                tq_gather_dequant(cache, layout, table[first : first + reqs], kv, cu, rows_k[: int(cu[-1])],
+                                  rows_v[: int(cu[-1])], max_seq_len=ctx_len, **cen,
+                                  **({"center_sums": sums[first:first + reqs]} if cen else {}))
 serve = set(seen)
 print(json.dumps(dict(warm=sorted(map(list, warm)), missing=sorted(map(list, serve - warm)),
                       unused=sorted(map(list, warm - serve)), kernels=sorted({k for k, _ in serve}))))
@@ -171,6 +187,7 @@ SERVING_KERNELS = {"tq_paged_store_kernel", "tq_paged_attention_kernel", "tq_mer
 # Decode of the formats the register-tile kernel serves (``ops.paged_decode.decode_path_applies``).
 DECODE_KERNELS = {"tq_rotate_queries_kernel", "tq_paged_decode_kernel", "tq_merge_unrotate_kernel"}
 REGISTER_TILE_CASES = {"turboquant_k3v4_nc", "turboquant_4bit_nc"}  # of CASES (k8v4 has fp8 keys)
+GATHER_KERNEL = "tq_paged_gather_dequant_kernel"  # long prefill chunks' context, layers without a window
 # Kernels that run once per stored token: a stack frame here (register spills) slows every step down.
 STORE_PATH_KERNELS = {"tq_paged_store_kernel", "tq_key_center_sums_kernel"}
 DECODE_STACK_BYTES = 8
@@ -202,14 +219,16 @@ def _check_compiled(res: dict) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_warmup_covers_every_serving_variant(case):
     decode = DECODE_KERNELS if case[0] in REGISTER_TILE_CASES else set()
-    _check_coverage(_probe("keys", case), SERVING_KERNELS | decode)
+    gather = {GATHER_KERNEL} if case[4] == "none" else set()
+    _check_coverage(_probe("keys", case), SERVING_KERNELS | decode | gather)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:2], ids=[c[0] for c in CASES[:2]])
 def test_warmup_covers_every_centred_serving_variant(case):
     _check_coverage(_probe("keys", case, "center"),
-                    SERVING_KERNELS | DECODE_KERNELS | {"tq_key_center_sums_kernel", "tq_center_queries_kernel"})
+                    SERVING_KERNELS | DECODE_KERNELS | {"tq_key_center_sums_kernel", "tq_center_queries_kernel",
+                                                        GATHER_KERNEL})
 
 
 @pytest.mark.slow

@@ -51,9 +51,10 @@ def _group(tq, *, max_num_seqs=6):
         impl.key_centering = cent
         layers[name] = SimpleNamespace(impl=impl, layer_name=name)
     config = SimpleNamespace(
-        cache_config=SimpleNamespace(cache_dtype=FMT), model_config=SimpleNamespace(max_model_len=4096),
+        cache_config=SimpleNamespace(cache_dtype=FMT),
+        model_config=SimpleNamespace(max_model_len=4096, dtype=torch.bfloat16),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1), speculative_config=None,
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
         compilation_config=SimpleNamespace(static_forward_context=layers))
     spec = TQFullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, head_size_v=D, dtype=torch.uint8,
                                tq_slot_size=get_format(FMT).bytes_per_token_per_head(D))

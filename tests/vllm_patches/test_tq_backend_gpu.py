@@ -51,11 +51,11 @@ def make_backend(tq_attn, fmt, *, num_heads, num_kv_heads, head_size, block_size
     layer = SimpleNamespace(impl=impl, layer_name="layers.0.attn")
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(cache_dtype=fmt),
-        model_config=SimpleNamespace(max_model_len=max_model_len),
+        model_config=SimpleNamespace(max_model_len=max_model_len, dtype=torch.bfloat16),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         speculative_config=None if num_speculative_tokens is None else SimpleNamespace(
             num_speculative_tokens=num_speculative_tokens, parallel_drafting=False),
-        scheduler_config=SimpleNamespace(max_num_seqs=64),
+        scheduler_config=SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=2048),
         compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}),
     )
     spec = TQFullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -215,6 +215,43 @@ def test_mixed_batch(tq_attn, window, block_size):
     out = fill_and_run(impl, layer, builder, batch, cache)
     _check(out, reference(batch, cache, paged_layout(fmt, d, block_size), 0.07, window),
            f"window={window} block={block_size}")
+
+
+@pytest.mark.parametrize("centred", [False, True], ids=["plain", "centred"])
+@pytest.mark.parametrize("max_rows", [None, 300], ids=["gather", "rows-exceed-workspace"])
+def test_long_chunks_attend_to_their_context_as_dense_rows(tq_attn, monkeypatch, centred, max_rows):
+    """Prefill chunks of at least CONTEXT_GATHER_MIN_QUERY_LEN queries: every prefill request's context is
+    dequantized into the builder's workspace next to its fresh K/V, and one causal FlashAttention pass serves
+    the step (shorter chunks of the same step included). A step whose rows exceed the workspace takes the
+    compressed kernel."""
+    builder_cls = tq_attn.TQAttentionMetadataBuilder
+    monkeypatch.setattr(builder_cls, "CONTEXT_GATHER_MIN_QUERY_LEN", 24)
+    if max_rows is not None:
+        monkeypatch.setattr(builder_cls, "CONTEXT_GATHER_MAX_ROWS", max_rows)
+    fmt, d = "turboquant_k3v4_nc", 128
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(num_heads=12, num_kv_heads=4, head_size=d, block_size=16)
+    impl, layer, builder = make_backend(tq_attn, fmt, scale=0.07, **kw)
+    if centred:
+        attach_centering(impl, d, 16)
+    # a decode, a first chunk, later chunks (one shorter than the threshold), a prefix hit's tail
+    requests = [(55, 1), (0, 40), (100, 29), (211, 5), (300, 33)]
+    batch = Batch(requests, num_blocks=256, gen=gen, **kw)
+    batch.k_ctx += 4.0
+    cache = torch.zeros(tq_attn.TQAttentionBackend.get_kv_cache_shape(256, 16, 4, d, fmt), dtype=torch.uint8,
+                        device=DEVICE)
+    md = store_in_two_steps(tq_attn, monkeypatch, impl, layer, builder, batch, cache)
+    gather = md.context_gather
+    assert (gather is not None) == (max_rows is None)
+    if gather is not None:  # context rows, then the fresh rows, per prefill request
+        seq = [c + q for c, q in requests[1:]]
+        assert gather.cu_seqlens_k.tolist() == [0, *torch.tensor(seq).cumsum(0).tolist()]
+        assert gather.max_seqlen_k == max(seq) and gather.max_context_len == 300
+    out = torch.full_like(batch.q, float("nan"))
+    impl.forward(layer, batch.q, batch.k, batch.v, cache, md, output=out)
+    layout = paged_layout(fmt, d, 16)
+    ref = reference(batch, cache, layout, 0.07, None, **centering_reference_args(impl, cache, layout, batch))
+    _check(out, ref, f"centred={centred} max_rows={max_rows}")
 
 
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])

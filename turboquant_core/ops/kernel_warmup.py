@@ -9,7 +9,7 @@ import torch
 from .key_centering import KeyCentering
 from .kv_store import new_block_epochs, new_center_sums, new_center_tags, tq_store
 from .page_layout import PagedTQLayout
-from .paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionConfig, TQAttentionPlan
+from .paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionConfig, TQAttentionPlan, tq_gather_dequant
 
 
 def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
@@ -25,8 +25,9 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     decode) split and unsplit; for "context" (queries after cached context, with lse: chunked prefill, prefix
     hits) every (query block size, one-block) shape the query length can select, split and unsplit; for
     "prefill" (chunks that attend to their own stored tokens too, ``TQConfig.prefill_from_cache``: causal over
-    the whole sequence, queries planned as at least ``PREFILL_MIN_QUERY_LEN``, no lse) likewise; the split
-    merge with and without lse. Batch sizes and sequence lengths are run-time arguments, so these cover every
+    the whole sequence, queries planned as at least ``PREFILL_MIN_QUERY_LEN``, no lse) likewise; for "gather"
+    (long chunks' context dequantized into rows of ``dtype``) the gather-dequant; the split merge with and
+    without lse. Batch sizes and sequence lengths are run-time arguments, so these cover every
     batch. Writes one block (``block_id``; vLLM's block 0 is its never-read null block) of ``cache`` and reads
     only it: call before serving. With ``centering`` the centred variants (the store's two passes and its
     single pass for single-token batches, both sums launches, centred attention) are compiled instead, with
@@ -73,6 +74,11 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
         runs += [("context", qlen, False) for qlen in first_query_lens(1, causal=False)]
     if "prefill" in paths:
         runs += [("prefill", qlen, True) for qlen in first_query_lens(PREFILL_MIN_QUERY_LEN, causal=True)]
+    if "gather" in paths:
+        rows = torch.empty(bs, num_kv_heads, d, dtype=dtype, device=dev)
+        tq_gather_dequant(cache, layout, block_table, seq_lens, seq_lens.new_tensor([0, bs]), rows, rows,
+                          max_seq_len=bs, centering=centering, center_sums=sums)
+        launches.append(dict(kernel="gather"))
     for path, qlen, causal in runs:
         q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
         for splits in (1, 2):

@@ -12,9 +12,13 @@ One step:
   pages.
 - decode requests (query length 1, or up to 1 + the draft tokens when speculative verification runs as decode; first
   in the batch after reordering): paged attention over the compressed pages, the tokens stored just before included.
-- prefill requests: the fresh tokens attend to each other in bf16 with FlashAttention (causal, sliding window);
-  requests with cached context (a later chunk of a chunked prefill, a prefix-cache hit) also attend to that context
-  ``[0, context_len)`` through the compressed kernel, and both parts are merged by their log-sum-exp. With
+- prefill requests: the fresh tokens attend to each other in bf16 with FlashAttention (causal, sliding window).
+  Requests with cached context (a later chunk of a chunked prefill, a prefix-cache hit) also attend to that context
+  ``[0, context_len)``. Chunks of at least ``CONTEXT_GATHER_MIN_QUERY_LEN`` queries (layers without a sliding
+  window) have their context dequantized into a bf16 workspace next to their fresh K/V and run one causal
+  FlashAttention pass (``TQContextGather``), as vLLM's MLA backends do; shorter chunks, windowed layers and steps
+  whose rows do not fit the workspace attend to the context through the compressed kernel and merge both parts
+  by their log-sum-exp. With
   ``--tq-prefill-from-cache`` they attend to their own tokens as stored too, like decode (one causal pass of the
   compressed kernel), so chunking and prefix-cache hits do not change a request's keys and values.
 
@@ -66,7 +70,7 @@ from ..ops.page_layout import (
     kv_cache_shape,
     paged_layout,
 )
-from ..ops.paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionPlan
+from ..ops.paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionPlan, tq_gather_dequant
 
 if is_flash_attn_varlen_func_available():
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -167,6 +171,22 @@ class TQLayerPlans:
 
 
 @dataclass
+class TQContextGather:
+    """This step's prefill requests as one FlashAttention pass over dense rows: request r's rows
+    ``cu_seqlens_k[r]:cu_seqlens_k[r + 1]`` of ``keys``/``values`` (the builder's workspace) hold its cached
+    context, dequantized, then its fresh tokens (rows ``fresh_rows``)."""
+
+    keys: torch.Tensor  # [rows, Hkv, D], the model's dtype
+    values: torch.Tensor
+    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32
+    context_lens: torch.Tensor  # [num_prefills] int32
+    fresh_rows: torch.Tensor  # [num_prefill_tokens] int64
+    block_table: torch.Tensor  # the prefill requests' rows
+    max_context_len: int
+    max_seqlen_k: int
+
+
+@dataclass
 class TQKeptCenterSums:
     """Key-centering sums of a group's centred layers, kept across steps (tq_store's
     ``center_tags`` and ``block_epochs``); each layer has its own rows, as its sums are
@@ -211,6 +231,9 @@ class TQAttentionMetadata(AttentionMetadata):
     max_prefill_query_len: int = 0
     # Whether some prefill request has cached context to attend to.
     prefill_has_context: bool = False
+    # Set when the context is dequantized for one FlashAttention pass (layers without
+    # a sliding window); the other layers take the context plan.
+    context_gather: TQContextGather | None = None
     # Prefill chunks attend to their own tokens as stored (TQConfig.prefill_from_cache):
     # the context plan covers whole sequences, causal; no FlashAttention pass.
     prefill_from_cache: bool = False
@@ -236,6 +259,14 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
     # each request's query length from query_start_loc, and the padding requests
     # have none.
     supports_ragged_uniform_decode: ClassVar[bool] = True
+    # Prefill chunks of at least this many queries read their context as dense rows:
+    # dequantizing the context once costs less than the compressed kernel, which
+    # reads it once per block of queries.
+    CONTEXT_GATHER_MIN_QUERY_LEN: ClassVar[int] = 64
+    # Rows (context + fresh tokens of a step's prefill requests) of that workspace, at
+    # most: one sequence of max_model_len tokens and a step's chunk fit when the model
+    # allows it; longer steps take the compressed kernel.
+    CONTEXT_GATHER_MAX_ROWS: ClassVar[int] = 1 << 16
 
     def __init__(
         self,
@@ -267,6 +298,21 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             key: TQLayerPlans(self._new_plan(key[0]), self._new_plan(key[0]))
             for key in self._layer_variants(vllm_config, layer_names)
         }
+        # Dense context rows for long prefill chunks (TQContextGather), shared by all
+        # layers of this builder; none when every layer has a sliding window, or
+        # prefill chunks attend to their stored tokens.
+        self.context_keys = self.context_values = None
+        gather_rows = min(
+            self.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens,
+            self.CONTEXT_GATHER_MAX_ROWS,
+        )
+        if not self.tq_config.prefill_from_cache and any(
+            window is None for _, window, _ in self.plans
+        ):
+            shape = (gather_rows, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
+            dtype = vllm_config.model_config.dtype
+            self.context_keys = torch.empty(shape, dtype=dtype, device=device)
+            self.context_values = torch.empty(shape, dtype=dtype, device=device)
         # Key-centering sums shared by the group's layers (each layer's store
         # rewrites them before its attention reads them), for a centred layer that
         # has no sums kept across steps (keep_center_sums).
@@ -283,12 +329,14 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             )
         logger.info_once(
             "TurboQuant attention: %s, head size %d, kernel block %d, "
-            "%d B per token per KV head, split-KV workspace %d MiB per group",
+            "%d B per token per KV head, split-KV workspace %d MiB per group, "
+            "prefill context workspace %d MiB per group",
             self.cache_dtype,
             kv_cache_spec.head_size,
             kv_cache_spec.block_size,
             self.layout.fmt.bytes_per_token_per_head(kv_cache_spec.head_size),
             workspace_mb,
+            0 if self.context_keys is None else 2 * self.context_keys.nbytes >> 20,
         )
 
     def keep_center_sums(
@@ -371,6 +419,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         threshold = self.reorder_batch_threshold or 1
         decode_query_lens = (1, threshold) if threshold > 1 else (1,)
         for num_heads, window, scale in self.plans:
+            gather = ("gather",) if window is None and self.context_keys is not None else ()
             launches += len(
                 warmup_kernels(
                     kv_cache,
@@ -382,7 +431,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                     softmax_scale=scale,
                     centering=centering,
                     decode_query_lens=decode_query_lens,
-                    paths=paths,
+                    paths=paths + gather,
                 )
             )
         return launches
@@ -483,7 +532,14 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             )
             kv_lens = (cam.seq_lens[first:end] - query_lens).to(torch.int32)
             max_query_len = metadata.max_prefill_query_len
+            if upper is not None:
+                metadata.context_gather = self._context_gather(
+                    cam, first, end, upper[first:end] - query_lens_cpu, query_lens_cpu,
+                    kv_lens, metadata.max_prefill_query_len,
+                )
         for (_, window, scale), plans in self.plans.items():
+            if window is None and metadata.context_gather is not None:
+                continue
             plans.context.plan(
                 cam.block_table_tensor[first:end],
                 metadata.prefill_query_start_loc,
@@ -496,6 +552,43 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                 softmax_scale=scale,
             )
         return metadata
+
+    def _context_gather(
+        self,
+        cam: CommonAttentionMetadata,
+        first: int,
+        end: int,
+        context_lens_cpu: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+    ) -> TQContextGather | None:
+        """The prefill requests [first, end) as one FlashAttention pass over their
+        dequantized context and fresh tokens, when the chunks are long enough and the
+        rows fit the workspace (host tensors exact: no device sync)."""
+        if self.context_keys is None or max_query_len < self.CONTEXT_GATHER_MIN_QUERY_LEN:
+            return None
+        seq_lens_cpu = context_lens_cpu + query_lens_cpu
+        rows = int(seq_lens_cpu.sum())
+        if rows > self.context_keys.shape[0]:
+            return None
+        cu = torch.zeros(end - first + 1, dtype=torch.int32)
+        torch.cumsum(seq_lens_cpu, 0, out=cu[1:])
+        # Fresh token j of request r goes after all context rows up to r's own.
+        fresh_rows = torch.arange(int(query_lens_cpu.sum())) + torch.repeat_interleave(
+            torch.cumsum(context_lens_cpu, 0), query_lens_cpu
+        )
+        dev = self.device
+        return TQContextGather(
+            keys=self.context_keys[:rows],
+            values=self.context_values[:rows],
+            cu_seqlens_k=cu.to(dev, non_blocking=True),
+            context_lens=context_lens,
+            fresh_rows=fresh_rows.to(dev, non_blocking=True),
+            block_table=cam.block_table_tensor[first:end],
+            max_context_len=int(context_lens_cpu.max()),
+            max_seqlen_k=int(seq_lens_cpu.max()),
+        )
 
 
 class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
@@ -705,6 +798,38 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         cu_seqlens = md.prefill_query_start_loc
         max_len = md.max_prefill_query_len
         has_context = md.prefill_has_context
+        gather = md.context_gather
+        if gather is not None and self.sliding_window is None:
+            # Context dequantized next to the fresh K/V: one causal pass (the keys'
+            # count exceeds the queries', so each query sees its context and the
+            # chunk's tokens up to its own).
+            tq_gather_dequant(
+                kv_cache,
+                self._layout_for(kv_cache),
+                gather.block_table,
+                gather.context_lens,
+                gather.cu_seqlens_k,
+                gather.keys,
+                gather.values,
+                max_seq_len=gather.max_context_len,
+                **self._centering_args(md, layer, first, first + md.num_prefills),
+            )
+            gather.keys.index_copy_(0, gather.fresh_rows, k)
+            gather.values.index_copy_(0, gather.fresh_rows, v)
+            flash_attn_varlen_func(
+                q=q,
+                k=gather.keys,
+                v=gather.values,
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=gather.cu_seqlens_k,
+                max_seqlen_q=max_len,
+                max_seqlen_k=gather.max_seqlen_k,
+                softmax_scale=self.scale,
+                causal=True,
+                out=out,
+                fa_version=self.fa_version,
+            )
+            return
         # Both partial results get the same contiguous [tokens, heads, head]
         # layout, as the merge kernel requires.
         fresh_out = (
