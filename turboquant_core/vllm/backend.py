@@ -261,8 +261,9 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
     supports_ragged_uniform_decode: ClassVar[bool] = True
     # Prefill chunks of at least this many queries read their context as dense rows:
     # dequantizing the context once costs less than the compressed kernel, which
-    # reads it once per block of queries.
-    CONTEXT_GATHER_MIN_QUERY_LEN: ClassVar[int] = 64
+    # reads it once per block of queries (1.3-5.5x faster per layer from 16 queries
+    # on, benchmarks/results/2026-11-25-h200-long-prefill/).
+    CONTEXT_GATHER_MIN_QUERY_LEN: ClassVar[int] = 16
     # Rows (context + fresh tokens of a step's prefill requests) of that workspace, at
     # most: one sequence of max_model_len tokens and a step's chunk fit when the model
     # allows it; longer steps take the compressed kernel.
