@@ -28,6 +28,12 @@ PERMUTE_LOOKUP4_ASM_16 = tl.constexpr(  # 16 entries: $5-$8 low bytes of entries
     "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
     "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
     "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
+PERMUTE_LOOKUP4_ASM_16_SELECTED = tl.constexpr(  # as _16, the two selectors made by the caller (for 8 fields at
+    # once): $4 the field bits 0-2 (x & 0x7777), $5 the half each byte comes from ((x >> 1 & 0x4444) | 0x3210)
+    "{ .reg .b32 l0, l1, h0, h1, l, h, p, q; "
+    "prmt.b32 l0, $6, $7, $4; prmt.b32 l1, $8, $9, $4; prmt.b32 h0, $10, $11, $4; prmt.b32 h1, $12, $13, $4; "
+    "prmt.b32 l, l0, l1, $5; prmt.b32 h, h0, h1, $5; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
 PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of entries 0-7, $7, $8 high bytes
     "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
     "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")

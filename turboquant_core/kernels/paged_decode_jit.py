@@ -32,20 +32,21 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _nibble_fields
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16_SELECTED, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
-ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
+ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16_SELECTED.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
 
 
 @gluon.jit
-def _lookup4(sel, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``)."""
+def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+    """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``); 4-bit fields
+    take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15 (``_fields``)."""
     if B == 4:
         a, b, c, d = gl.inline_asm_elementwise(
-            ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", [sel, c0, c1, c2, c3, c4, c5, c6, c7],
+            ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r", [sel, half, c0, c1, c2, c3, c4, c5, c6, c7],
             dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
     else:
         a, b, c, d = gl.inline_asm_elementwise(
@@ -59,8 +60,13 @@ def _lookup4(sel, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
     x = _nibble_fields(word, B)
-    f0, f1, f2, f3 = _lookup4(x, c0, c1, c2, c3, c4, c5, c6, c7, B)
-    f4, f5, f6, f7 = _lookup4(x >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    half = x
+    if B == 4:
+        # Both selectors of the 16-entry lookup for all 8 fields at once (prmt reads a selector's low 16 bits).
+        half = ((x >> 1) & 0x44444444) | 0x32103210
+        x = x & 0x77777777
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
