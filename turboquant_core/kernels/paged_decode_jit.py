@@ -153,27 +153,16 @@ def _planes_to_words(p0, p1, p2, p3, B: gl.constexpr, GR: gl.constexpr):
 
 
 @gluon.jit
-def _load_keys(cache_head, scale_head, page, stride_cb, start, hi, ktok, ts, kgofs, PAGE: gl.constexpr,
-               KB: gl.constexpr, KG: gl.constexpr, GR: gl.constexpr, K_IDX_OFF: gl.constexpr,
-               K_SC_OFF: gl.constexpr, K_ROW: gl.constexpr):
-    """The K planes and K scales of the tile at ``start`` (in ``page``; scales zero at positions >= hi)."""
+def _load_component(cache_head, scale_head, page, stride_cb, start, hi, tok, ts, gofs, PAGE: gl.constexpr,
+                    B: gl.constexpr, G: gl.constexpr, GR: gl.constexpr, IDX_OFF: gl.constexpr, SC_OFF: gl.constexpr,
+                    ROW: gl.constexpr):
+    """The planes and scales of one component (K or V) of the tile at ``start`` (in ``page``; scales zero at
+    positions >= hi)."""
     poff = start % PAGE
-    kp0, kp1, kp2, kp3 = _load_planes(cache_head + page * stride_cb + K_IDX_OFF, ((poff + ktok) * K_ROW)[:, None],
-                                      kgofs, KG, KB, GR)
-    ksc = gl.load(scale_head + page * (stride_cb // 2) + poff + ts + K_SC_OFF // 2, mask=start + ts < hi, other=0.0)
-    return kp0, kp1, kp2, kp3, ksc
-
-
-@gluon.jit
-def _load_values(cache_head, scale_head, page, stride_cb, start, hi, vtok, ts, vgofs, PAGE: gl.constexpr,
-                 VB: gl.constexpr, VG: gl.constexpr, GRV: gl.constexpr, V_IDX_OFF: gl.constexpr,
-                 V_SC_OFF: gl.constexpr, V_ROW: gl.constexpr):
-    """The V planes and V scales of the tile at ``start`` (in ``page``; scales zero at positions >= hi)."""
-    poff = start % PAGE
-    vp0, vp1, vp2, vp3 = _load_planes(cache_head + page * stride_cb + V_IDX_OFF, ((poff + vtok) * V_ROW)[:, None],
-                                      vgofs, VG, VB, GRV)
-    vsc = gl.load(scale_head + page * (stride_cb // 2) + poff + ts + V_SC_OFF // 2, mask=start + ts < hi, other=0.0)
-    return vp0, vp1, vp2, vp3, vsc
+    p0, p1, p2, p3 = _load_planes(cache_head + page * stride_cb + IDX_OFF, ((poff + tok) * ROW)[:, None], gofs, G, B,
+                                  GR)
+    sc = gl.load(scale_head + page * (stride_cb // 2) + poff + ts + SC_OFF // 2, mask=start + ts < hi, other=0.0)
+    return p0, p1, p2, p3, sc
 
 
 @gluon.constexpr_function
@@ -320,11 +309,11 @@ def tq_paged_decode_kernel(
         # warp has two tiles' loads in flight. An empty split's first load reads page 0 (a row past a request's
         # blocks may hold anything); loads past ``hi`` stay inside the clamped last page, their scales zero.
         page = gl.where(lo < hi, page, 0)
-        nk0, nk1, nk2, nk3, nksc = _load_keys(cache_head, scale_head, page, stride_cb, lo, hi, ktok, ts, kgofs,
-                                              PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+        nk0, nk1, nk2, nk3, nksc = _load_component(cache_head, scale_head, page, stride_cb, lo, hi, ktok, ts,
+                                                   kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
         if PREFETCH == 2:
-            nv0, nv1, nv2, nv3, nvsc = _load_values(cache_head, scale_head, page, stride_cb, lo, hi, vtok, ts,
-                                                    vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+            nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, lo, hi, vtok, ts,
+                                                       vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
         next_page = gl.load(bt_row + gl.minimum(lo + BN, last) // PAGE).to(gl.int64)
     for start in range(lo, hi, BN):
         if CENTER:
@@ -345,20 +334,21 @@ def tq_paged_decode_kernel(
         if PREFETCH > 0:
             page = next_page
             kq0, kq1, kq2, kq3, ksc = nk0, nk1, nk2, nk3, nksc
-            nk0, nk1, nk2, nk3, nksc = _load_keys(cache_head, scale_head, page, stride_cb, start + BN, hi, ktok, ts,
-                                                  kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+            nk0, nk1, nk2, nk3, nksc = _load_component(cache_head, scale_head, page, stride_cb, start + BN, hi, ktok,
+                                                       ts, kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
             if PREFETCH == 2:
                 vq0, vq1, vq2, vq3, vsc = nv0, nv1, nv2, nv3, nvsc
-                nv0, nv1, nv2, nv3, nvsc = _load_values(cache_head, scale_head, page, stride_cb, start + BN, hi, vtok,
-                                                        ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+                nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, start + BN, hi,
+                                                           vtok, ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF,
+                                                           V_ROW)
             next_page = gl.load(bt_row + gl.minimum(start + 2 * BN, last) // PAGE).to(gl.int64)
         else:
             page = gl.load(bt_row + gl.minimum(start + BN, last) // PAGE).to(gl.int64)
-            kq0, kq1, kq2, kq3, ksc = _load_keys(cache_head, scale_head, this_page, stride_cb, start, hi, ktok, ts,
-                                                 kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
+            kq0, kq1, kq2, kq3, ksc = _load_component(cache_head, scale_head, this_page, stride_cb, start, hi, ktok,
+                                                      ts, kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
         if PREFETCH < 2:
-            vq0, vq1, vq2, vq3, vsc = _load_values(cache_head, scale_head, this_page, stride_cb, start, hi, vtok, ts,
-                                                   vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+            vq0, vq1, vq2, vq3, vsc = _load_component(cache_head, scale_head, this_page, stride_cb, start, hi, vtok,
+                                                      ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
         kw = gl.convert_layout(_planes_to_words(kq0, kq1, kq2, kq3, KB, GR), kw_l, assert_trivial=True)
         tmask = start + ts < hi
 
