@@ -33,10 +33,18 @@ from turboquant_core.ops.key_centering import key_centering_tables  # noqa: E402
 from turboquant_core.ops.paged import new_center_sums, tq_key_center_sums  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+MAX_ROWS = 1 << 16  # TQAttentionMetadataBuilder.CONTEXT_GATHER_MAX_ROWS (not imported: that needs vLLM)
 
 
 def parse_case(text: str) -> tuple[int, int, int]:
-    reqs, context, chunk = (int(x) for x in text.lower().split("x"))
+    try:
+        reqs, context, chunk = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"bad case {text!r}: expected REQUESTSxCONTEXTxCHUNK, e.g. 1x8192x1024") from None
+    rows = reqs * (context + chunk)
+    if min(reqs, context, chunk) < 1 or rows > MAX_ROWS:
+        raise SystemExit(f"bad case {text!r}: needs requests, context and chunk >= 1 and at most {MAX_ROWS} rows "
+                         f"(the backend's dense-row workspace); got {rows}")
     return reqs, context, chunk
 
 
@@ -61,7 +69,8 @@ def run_case(fmt: str, reqs: int, context: int, chunk: int) -> dict:
     layer = SimpleNamespace(impl=impl, layer_name="layers.0.attn")
     config = SimpleNamespace(
         cache_config=SimpleNamespace(cache_dtype=fmt),
-        model_config=SimpleNamespace(max_model_len=context + chunk, dtype=torch.bfloat16),
+        # a max_model_len that sizes the builder's dense-row workspace for all the case's rows
+        model_config=SimpleNamespace(max_model_len=reqs * (context + chunk), dtype=torch.bfloat16),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1), speculative_config=None,
         scheduler_config=SimpleNamespace(max_num_seqs=max(reqs, 8), max_num_batched_tokens=max(8192, reqs * chunk)),
         compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}))
