@@ -14,7 +14,7 @@ import torch
 from tests.ops.test_codec import near_boundary
 from turboquant_core.formats import KV_FORMATS, mla_format
 from turboquant_core.ops.codec import encode, unpack_segments
-from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_store
+from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_kv_cache_shape, mla_paged_layout
 from turboquant_core.ops.mla_reference import (
     fp8_ds_mla_round_trip,
@@ -25,6 +25,7 @@ from turboquant_core.ops.mla_reference import (
     mla_encode_ref,
     mla_entries_from_bytes,
     mla_entry_bytes,
+    mla_gather_dequant_ref,
     mla_store_ref,
     read_mla_slots,
 )
@@ -247,7 +248,7 @@ from tests.ops import sm90_probe
 
 sm90_probe.install_printer()
 
-from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_store
+from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
 
 for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc", "turboquant_3p5bit_nc",
@@ -259,20 +260,74 @@ for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc",
     mla_decode_attention(torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16),
                          cache, lay, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
                          0.1, num_splits=2)
+    mla_gather_dequant(cache, lay, torch.empty(30, 576, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32),
+                       torch.tensor([0, 10, 30], dtype=torch.int32), torch.zeros(30, dtype=torch.int32), 30,
+                       seq_starts=torch.zeros(2, dtype=torch.int32))
 '''
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills():
-    """The store (every latent encoding, bf16 and fp16 inputs) and the decode attention with its split merge (every
-    latent encoding) compile for sm_90, the register codebook lookups the interpreter cannot run included, with no
-    register spills."""
+    """The store (every latent encoding, bf16 and fp16 inputs), the decode attention with its split merge and the
+    gather (every latent encoding) compile for sm_90, the register codebook lookups the interpreter cannot run
+    included, with no register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
-    want = (["tq_mla_store_kernel"] * 2 + ["tq_mla_decode_kernel", "tq_merge_splits_kernel"]) * 6
+    want = (["tq_mla_store_kernel"] * 2
+            + ["tq_mla_decode_kernel", "tq_merge_splits_kernel", "tq_mla_gather_kernel"]) * 6
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
+
+
+# ----------------------------------------------------------------------------------------------
+# gather (the prefill context)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LATENT_PRESETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_dequant_matches_reference_and_the_stored_latents(name, dtype, device):
+    """vLLM's gather_and_maybe_dequant_cache contract: a whole context, a short one, and a later chunk of a third
+    (seq_starts); rows past num_tokens are left alone. The rows are the reference's decoded entries, and close to
+    the latents that were stored."""
+    lay, cache, bt, _, kv_c, k_pe, _, _ = _paged_requests(name, [37, 5, 64], heads=4, seed=12, device=device)
+    starts = torch.tensor([0, 0, 16], dtype=torch.int32)
+    lens = torch.tensor([37, 5, 48], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    n = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), lens)
+    dst = torch.full((n + 3, L + R), float("nan"), dtype=dtype, device=device)
+    args = (bt, cu.to(device), seq.to(device), n)
+    mla_gather_dequant(cache, lay, dst, *args, seq_starts=starts.to(device))
+    ref = mla_gather_dequant_ref(cache, lay, *args, seq_starts=starts.to(device))
+    assert torch.isnan(dst[n:]).all()
+    # (fp16 codebook values, as attention's lookups: about 5e-4 relative of each coordinate)
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=4e-3, rtol=2e-3)
+    torch.testing.assert_close(dst[:n].float().cpu(), ref.float().cpu(), **tol)
+    # the rows are the tokens that were stored: k_pe exactly, the latent to its quantization error
+    pos = torch.cat([torch.arange(s, s + m) for s, m in zip(starts.tolist(), lens.tolist())])
+    want_pe = k_pe[seq.long(), pos].float()
+    assert torch.equal(dst[:n, L:].float().cpu(), want_pe.to(dtype).float())
+    want = kv_c[seq.long(), pos].float()
+    rel = ((dst[:n, :L].float().cpu() - want).norm(dim=-1) / want.norm(dim=-1)).mean()
+    assert rel < {"turboquant_k8v4": 0.05, "turboquant_4bit_nc": 0.15}.get(name, 0.5)
+
+
+def test_gather_dequant_rejects_bad_input(device):
+    lay = mla_paged_layout("turboquant_k3v4_nc", BLOCK)
+    cache = allocate_mla_cache(4, lay, device)
+    bt = torch.zeros(1, 4, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    seq = torch.zeros(4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"dst must be \[>= 4, 576\]"):
+        mla_gather_dequant(cache, lay, torch.empty(4, 512, device=device), bt, cu, seq, 4)
+    with pytest.raises(ValueError, match="dst must be float16, bfloat16 or float32"):
+        mla_gather_dequant(cache, lay, torch.empty(4, 576, dtype=torch.int32, device=device), bt, cu, seq, 4)
+    with pytest.raises(ValueError, match="token_to_seq must be 1-D with >= 4"):
+        mla_gather_dequant(cache, lay, torch.empty(4, 576, device=device), bt, cu, seq[:2], 4)
+    out = torch.full((2, 576), 7.0, device=device)
+    assert mla_gather_dequant(cache, lay, out, bt, cu, seq, 0) is out and (out == 7).all()
 
 
 # ----------------------------------------------------------------------------------------------

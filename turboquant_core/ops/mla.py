@@ -4,6 +4,10 @@
 - ``mla_store(kv_c, k_pe, cache, slot_mapping, layout)``: vLLM's ``concat_and_cache_mla`` contract into
   TurboQuant MLA pages: the latent rotated, quantized and packed, k_pe as bf16, slots < 0 skipped; one launch,
   no host synchronization. Reference: ``mla_reference.mla_store_ref``.
+- ``mla_gather_dequant(cache, layout, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, seq_starts)``: cached
+  tokens as dense [kv_c | k_pe] rows, vLLM's ``gather_and_maybe_dequant_cache`` contract (the prefill context of
+  an MLA layer); the latent's codebook values gathered still rotated, then rotated back by one product. Reference:
+  ``mla_reference.mla_gather_dequant_ref``.
 - ``mla_decode_attention(ql_nope, q_pe, cache, layout, block_table, seq_lens, softmax_scale)``: decode attention
   with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
   reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
@@ -20,10 +24,12 @@ import torch
 import triton
 
 from ..kernels.mla_decode_jit import tq_mla_decode_kernel
+from ..kernels.mla_gather_jit import tq_mla_gather_kernel
 from ..kernels.mla_store_jit import tq_mla_store_kernel
 from ..kernels.paged_attention_jit import tq_merge_splits_kernel
 from .mla_layout import MLAPagedLayout, mla_cache_views, mla_tables
 
+MLA_GATHER_ROWS = 16  # tokens per gather program
 MLA_STORE_ROWS = 16  # tokens per store program: decode batches have few tokens, so more and shorter programs
 MLA_STORE_WARPS = 4
 
@@ -158,4 +164,46 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     return out.to(ql_nope.dtype), lse.t()
 
 
-__all__ = ["MLA_STORE_ROWS", "mla_decode_attention", "mla_decode_splits", "mla_store"]
+def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.Tensor, block_table: torch.Tensor,
+                       cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
+                       seq_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Cached tokens into dense rows dst[i] = [kv_c | k_pe] (dst [>= num_tokens, kv_lora_rank + rope_dim], fp16 /
+    bf16 / fp32), vLLM's ``gather_and_maybe_dequant_cache`` contract: row i is the token of request
+    ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq]`` (plus ``seq_starts[seq]``: a later chunk of the
+    context), read through ``block_table[seq]``. Rows from ``num_tokens`` on are not written. No host
+    synchronization."""
+    lr, r = layout.kv_lora_rank, layout.rope_dim
+    if dst.dim() != 2 or dst.shape[0] < num_tokens or dst.shape[1] != lr + r or dst.stride(1) != 1:
+        raise ValueError(f"dst must be [>= {num_tokens}, {lr + r}] with a contiguous last dim, got {tuple(dst.shape)}")
+    if dst.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dst must be float16, bfloat16 or float32, got {dst.dtype}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be 2-D with a contiguous last dim, got {tuple(block_table.shape)}")
+    if token_to_seq.dim() != 1 or token_to_seq.shape[0] < num_tokens:
+        raise ValueError(f"token_to_seq must be 1-D with >= {num_tokens} entries, got {tuple(token_to_seq.shape)}")
+    if r & (r - 1):
+        raise ValueError(f"the gather kernel needs a power-of-two rope_dim, got {r}")
+    if num_tokens == 0:
+        return dst
+    u8, f16, bf16 = mla_cache_views(cache, layout)
+    dev = dst.device
+    t = mla_tables(layout, dev)
+    y = torch.empty(num_tokens, t.attn_rows.shape[0], dtype=torch.float32, device=dev)
+    seg = t.segment_constexprs(layout.latent_is_fp8)
+    seg.pop("EXACT_ROT")
+    lc = layout.kernel_constexprs()
+    starts = seq_starts if seq_starts is not None else cu_seq_lens
+    tq_mla_gather_kernel[(triton.cdiv(num_tokens, MLA_GATHER_ROWS),)](
+        u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), cu_seq_lens, token_to_seq, starts,
+        num_tokens, *t.cent_f16, y, y.stride(0), dst, dst.stride(0),
+        R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"], IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"],
+        SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg, HAS_STARTS=seq_starts is not None,
+        BN=MLA_GATHER_ROWS, num_warps=4,
+    )
+    # Back from the rotated domain for all rows at once (as mla_decode_attention's output): R^T y.
+    dst[:num_tokens, :lr] = ((y @ t.attn_rows) * t.codec.rot_scale).to(dst.dtype)
+    return dst
+
+
+__all__ = ["MLA_GATHER_ROWS", "MLA_STORE_ROWS", "mla_decode_attention", "mla_decode_splits", "mla_gather_dequant",
+           "mla_store"]

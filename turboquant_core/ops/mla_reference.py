@@ -146,6 +146,21 @@ def read_mla_tokens(cache: torch.Tensor, layout: MLAPagedLayout, block_table_row
                           + t % layout.block_size)
 
 
+def mla_gather_dequant_ref(cache: torch.Tensor, layout: MLAPagedLayout, block_table: torch.Tensor,
+                           cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
+                           seq_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``ops.mla.mla_gather_dequant``: [num_tokens, kv_lora_rank + rope_dim] float32 rows [kv_c | k_pe]
+    of the tokens vLLM's ``gather_and_maybe_dequant_cache`` contract names."""
+    i = torch.arange(num_tokens, device=cache.device)
+    seq = token_to_seq[:num_tokens].long()
+    pos = i - cu_seq_lens.long()[seq]
+    if seq_starts is not None:
+        pos = pos + seq_starts.long()[seq]
+    slots = block_table.long()[seq, pos // layout.block_size] * layout.block_size + pos % layout.block_size
+    kv_c, k_pe = mla_decode_ref(read_mla_slots(cache, layout, slots), layout.fmt)
+    return torch.cat([kv_c, k_pe], dim=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Decode attention
 # ----------------------------------------------------------------------------------------------
@@ -233,5 +248,5 @@ def fp8_ds_mla_round_trip(kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch
 __all__ = [
     "MLAEntries", "fp8_ds_mla_round_trip", "fp8_mla_round_trip", "mla_attention_dense_ref",
     "mla_decode_attention_ref", "mla_decode_ref", "mla_encode_ref", "mla_entries_from_bytes", "mla_entry_bytes",
-    "mla_rotated_latent_ref", "mla_store_ref", "read_mla_slots", "read_mla_tokens",
+    "mla_gather_dequant_ref", "mla_rotated_latent_ref", "mla_store_ref", "read_mla_slots", "read_mla_tokens",
 ]
