@@ -203,3 +203,80 @@ def test_prefill_from_cache_gives_each_token_the_same_attention_however_the_prom
     whole = run([40])[25:]
     chunked = run([25, 15])
     torch.testing.assert_close(whole.float(), chunked.float(), atol=2e-3, rtol=2e-3)
+
+
+def _varlen_causal_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                             out, fa_version, **unused):
+    """FlashAttention's varlen contract in float64 (the CPU has no FlashAttention): request r's queries
+    cu_seqlens_q[r]:[r + 1] against its keys cu_seqlens_k[r]:[r + 1], causal aligned to the last key."""
+    assert causal
+    g = q.shape[1] // k.shape[1]
+    for r in range(cu_seqlens_q.shape[0] - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[r], cu_seqlens_q[r + 1], cu_seqlens_k[r], cu_seqlens_k[r + 1]))
+        assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
+        kk = k[k0:k1].double().repeat_interleave(g, 1)
+        vv = v[k0:k1].double().repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), kk) * softmax_scale
+        pos_q = (k1 - k0) - (q1 - q0) + torch.arange(q1 - q0)
+        s = s.masked_fill(torch.arange(k1 - k0)[None, :] > pos_q[:, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("max_rows", [None, 64], ids=["dense-rows", "rows-exceed-workspace"])
+def test_long_chunks_lay_out_context_and_fresh_rows_for_one_flashattention_pass(cpu_backend, monkeypatch, max_rows):
+    """Chunks of at least CONTEXT_GATHER_MIN_QUERY_LEN queries: each prefill request's rows in the builder's workspace
+    are its cached context, dequantized with the key centres added back, then its fresh K/V, at cu_seqlens_k; one
+    causal pass over them (here FlashAttention's contract in float64) gives every query its context and the chunk's
+    tokens up to its own. The planning is host-side (no device sync); a step whose rows exceed the workspace plans
+    the compressed kernel instead."""
+    from turboquant_core.ops.paged import center_sums_ref, dequant_cached_ref, paged_layout
+
+    if max_rows is not None:
+        monkeypatch.setattr(cpu_backend.TQAttentionMetadataBuilder, "CONTEXT_GATHER_MAX_ROWS", max_rows)
+    monkeypatch.setattr(cpu_backend, "flash_attn_varlen_func", _varlen_causal_attention, raising=False)
+    layers, builder, caches = _group(cpu_backend)
+    name = LAYERS[0]
+    impl, layer, cache = layers[name].impl, layers[name], caches[name]
+    g = torch.Generator().manual_seed(4)
+    table = (torch.arange(3 * 4, dtype=torch.int32) + 1).view(3, 4)
+    ctx, fresh = [33, 0, 7], [17, 16, 20]  # a later chunk, a first chunk, a prefix hit's tail
+    keys = [(torch.randn(c + f, HKV, D, generator=g) + 2.0).to(torch.bfloat16) for c, f in zip(ctx, fresh)]
+    vals = [torch.randn(c + f, HKV, D, generator=g).to(torch.bfloat16) for c, f in zip(ctx, fresh)]
+    slot = lambda r, p: int(table[r, p // BS]) * BS + p % BS  # noqa: E731
+    stored = [r for r in range(3) if ctx[r]]
+    sl = torch.tensor([slot(r, p) for r in stored for p in range(ctx[r])])
+    md = builder.build(0, _metadata([ctx[r] for r in stored], [ctx[r] for r in stored], table[stored], sl))
+    monkeypatch.setattr(cpu_backend, "_layer_metadata", lambda _layer: md)
+    impl.do_kv_cache_update(layer, torch.cat([keys[r][:ctx[r]] for r in stored]),
+                            torch.cat([vals[r][:ctx[r]] for r in stored]), cache, sl)
+    sl = torch.tensor([slot(r, p) for r in range(3) for p in range(ctx[r], ctx[r] + fresh[r])])
+    md = builder.build(0, _metadata(fresh, [c + f for c, f in zip(ctx, fresh)], table, sl))
+    monkeypatch.setattr(cpu_backend, "_layer_metadata", lambda _layer: md)
+    k = torch.cat([keys[r][ctx[r]:] for r in range(3)])
+    v = torch.cat([vals[r][ctx[r]:] for r in range(3)])
+    impl.do_kv_cache_update(layer, k, v, cache, sl)
+    gather = md.context_gather
+    assert md.num_prefills == 3 and (gather is not None) == (max_rows is None)
+    if gather is None:
+        return  # the compressed kernel's path needs FlashAttention for the fresh tokens (GPU test)
+    assert gather.cu_seqlens_k.tolist() == [0, 50, 66, 93] and gather.max_seqlen_k == 50
+    assert gather.max_context_len == 33
+    assert gather.fresh_rows.tolist() == [*range(33, 50), *range(50, 66), *range(73, 93)]
+    q = torch.randn(sum(fresh), HQ, D, generator=g).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    impl.forward(layer, q, k, v, cache, md, output=out)
+    lay = paged_layout(FMT, D, BS)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    sums = center_sums_ref(cache, lay, impl.key_centering, table, lens)
+    q0 = 0
+    for r in range(3):
+        kc, vc = dequant_cached_ref(cache, lay, table[r], ctx[r], centering=impl.key_centering,
+                                    center_sums_row=sums[r])
+        kk, vv = torch.cat([kc, keys[r][ctx[r]:].float()]), torch.cat([vc, vals[r][ctx[r]:].float()])
+        ref = torch.empty(fresh[r], HQ, D, dtype=torch.float64)
+        _varlen_causal_attention(q[q0:q0 + fresh[r]], kk, vv, torch.tensor([0, fresh[r]]),
+                                 torch.tensor([0, ctx[r] + fresh[r]]), fresh[r], ctx[r] + fresh[r], impl.scale, True,
+                                 ref, 3)
+        torch.testing.assert_close(out[q0:q0 + fresh[r]].float(), ref.float(), atol=2e-2, rtol=1e-2)
+        q0 += fresh[r]
