@@ -5,7 +5,7 @@ of 16), keys centred and plain, CUDA-graph replay: the measurements behind ``ops
 
     python benchmarks/sweep_decode_splits.py --out splits.json
     python benchmarks/sweep_decode_splits.py --cases 8x32768:16,24,29 --formats turboquant_4bit_nc --out s.json
-    python benchmarks/sweep_decode_splits.py --cases 8x32768:24 --prefetch 0 1 2 --out s.json
+    python benchmarks/sweep_decode_splits.py --cases 8x32768:24 --prefetch 0 1 --out s.json
 
 Each case is BATCHxCONTEXT with the split counts to time (default: a spread around the heuristic's); the
 heuristic's own count is always timed and marked.
@@ -53,7 +53,7 @@ def sweep_case(fmt: str, batch: int, context: int, splits: list[int], device: st
     heuristic = num_decode_splits(batch, HKV, context, device, MIN_TOKENS_PER_SPLIT, 1 << 20)
     rows = []
     for s, pf in ((s, pf) for s in sorted(set(splits) | {heuristic}) for pf in prefetch):
-        paged_decode.DECODE_PREFETCH = pf
+        paged_decode.DECODE_PREFETCH = bool(pf)
         plan = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=256 << 20)
         plan.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context, num_splits=s)
         row = dict(format=fmt, batch=batch, context=context, splits=plan.decode_splits, heuristic=s == heuristic,
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["turboquant_k3v4_nc"])
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
     ap.add_argument("--prefetch", nargs="+", type=int, default=[int(paged_decode.DECODE_PREFETCH)],
-                    help="tiles loaded ahead (ops.paged_decode.DECODE_PREFETCH): 0 none, 1 keys, 2 keys and values")
+                    help="time the kernel loading each next tile ahead (1: DECODE_PREFETCH) and not (0)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("timing needs a CUDA device")

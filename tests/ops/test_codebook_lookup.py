@@ -31,7 +31,8 @@ def _prmt(a: int, b: int, sel: int) -> int:
 
 
 def _permute_lookup4_model(sel: int, cb: list[int], bits: int) -> list[int]:
-    """The instruction sequence of ``_permute_lookup4``, instruction by instruction."""
+    """``_lookup_selectors`` and the instruction sequence of ``_permute_lookup4``, instruction by instruction (the
+    selectors of one half: prmt reads their low 16 bits)."""
     if bits == 4:
         s = sel & 0x7777
         m = ((sel >> 1) & 0x4444) | 0x3210

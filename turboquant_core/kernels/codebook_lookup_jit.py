@@ -21,15 +21,10 @@ import triton.language as tl
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # ``_permute_lookup4``'s instruction sequences (also used by the Gluon decode kernel): $4 the selector (field j in
-# nibble j), $5.. the codebook's byte-permute words; outputs the fp16 values of nibbles 0-3.
-PERMUTE_LOOKUP4_ASM_16 = tl.constexpr(  # 16 entries: $5-$8 low bytes of entries 0-15, $9-$12 high bytes
-    "{ .reg .b32 s, m, l0, l1, h0, h1, l, h, p, q; "
-    "and.b32 s, $4, 0x7777; shr.b32 m, $4, 1; and.b32 m, m, 0x4444; or.b32 m, m, 0x3210; "
-    "prmt.b32 l0, $5, $6, s; prmt.b32 l1, $7, $8, s; prmt.b32 h0, $9, $10, s; prmt.b32 h1, $11, $12, s; "
-    "prmt.b32 l, l0, l1, m; prmt.b32 h, h0, h1, m; "
-    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
-PERMUTE_LOOKUP4_ASM_16_SELECTED = tl.constexpr(  # as _16, the two selectors made by the caller (for 8 fields at
-    # once): $4 the field bits 0-2 (x & 0x7777), $5 the half each byte comes from ((x >> 1 & 0x4444) | 0x3210)
+# nibble j; 4-bit fields: their bits 0-2, ``_lookup_selectors``), $5.. the codebook's byte-permute words; outputs the
+# fp16 values of nibbles 0-3.
+PERMUTE_LOOKUP4_ASM_16 = tl.constexpr(  # 16 entries: $5 the half each byte comes from, $6-$9 low bytes of entries
+    # 0-15, $10-$13 high bytes
     "{ .reg .b32 l0, l1, h0, h1, l, h, p, q; "
     "prmt.b32 l0, $6, $7, $4; prmt.b32 l1, $8, $9, $4; prmt.b32 h0, $10, $11, $4; prmt.b32 h1, $12, $13, $4; "
     "prmt.b32 l, l0, l1, $5; prmt.b32 h, h0, h1, $5; "
@@ -122,19 +117,31 @@ def _nibble_fields(word, B: tl.constexpr):
 
 
 @triton.jit
-def _permute_lookup4(sel, cb, B: tl.constexpr, DT: tl.constexpr = tl.float16):
+def _lookup_selectors(x, B: tl.constexpr):
+    """Fields in nibbles (``_nibble_fields``) -> the selectors of ``_permute_lookup4`` for all 8 at once: (x, x),
+    or for 4-bit fields their bits 0-2 and the permute that picks entries 0-7 or 8-15 per byte (prmt reads a
+    selector's low 16 bits: the upper four fields' selectors are these shifted right by 16)."""
+    if B == 4:
+        return x & 0x77777777, ((x >> 1) & 0x44444444) | 0x32103210
+    else:
+        return x, x
+
+
+@triton.jit
+def _permute_lookup4(sel, half, cb, B: tl.constexpr, DT: tl.constexpr = tl.float16):
     """Codebook values (DT, the type ``cb`` was built for) of the four fields in nibbles 0-3 of ``sel``, looked
     up in registers.
 
     ``prmt`` picks any 4 of the 8 bytes of two registers, one 4-bit selector per output byte, so one
     instruction fetches the low bytes of four entries of an 8-entry table and one more their high bytes;
     two more interleave them into two fp16 pairs. 16-entry codebooks (4 bits) look up both halves and
-    pick per byte with the field's top bit. The codebook never leaves registers: no L1 load, whose
-    gathers from a shared table were the attention kernel's busiest unit (Nsight Compute on an H200)."""
+    pick per byte with the field's top bit (``half``). The codebook never leaves registers: no L1 load, whose
+    gathers from a shared table were the attention kernel's busiest unit (Nsight Compute on an H200). ``sel`` and
+    ``half`` come from ``_lookup_selectors``."""
     if B == 4:
         a, b, c, d = tl.inline_asm_elementwise(
-            PERMUTE_LOOKUP4_ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
-            [sel, cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7]],
+            PERMUTE_LOOKUP4_ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r",
+            [sel, half, cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7]],
             dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
     else:
         a, b, c, d = tl.inline_asm_elementwise(
@@ -163,9 +170,9 @@ def _dequant_words(word, TABLE, cb, BN: tl.constexpr, GP: tl.constexpr, B: tl.co
         f6 = _field(word, TABLE, 6, B, DT)
         f7 = _field(word, TABLE, 7, B, DT)
     else:
-        x = _nibble_fields(word, B)
-        f0, f1, f2, f3 = _permute_lookup4(x, cb, B, DT)
-        f4, f5, f6, f7 = _permute_lookup4(x >> 16, cb, B, DT)
+        sel, half = _lookup_selectors(_nibble_fields(word, B), B)
+        f0, f1, f2, f3 = _permute_lookup4(sel, half, cb, B, DT)
+        f4, f5, f6, f7 = _permute_lookup4(sel >> 16, half >> 16, cb, B, DT)
     c = tl.join(tl.join(tl.join(f0, f1), tl.join(f2, f3)), tl.join(tl.join(f4, f5), tl.join(f6, f7)))
     return tl.reshape(c, (BN, 8 * GP))
 

@@ -32,18 +32,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16_SELECTED, _nibble_fields
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _lookup_selectors, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
-ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16_SELECTED.value)
+ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
 
 
 @gluon.jit
 def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``); 4-bit fields
-    take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15 (``_fields``)."""
+    take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15
+    (``codebook_lookup_jit._lookup_selectors``)."""
     if B == 4:
         a, b, c, d = gl.inline_asm_elementwise(
             ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r", [sel, half, c0, c1, c2, c3, c4, c5, c6, c7],
@@ -59,12 +60,7 @@ def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 @gluon.jit
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
-    x = _nibble_fields(word, B)
-    half = x
-    if B == 4:
-        # Both selectors of the 16-entry lookup for all 8 fields at once (prmt reads a selector's low 16 bits).
-        half = ((x >> 1) & 0x44444444) | 0x32103210
-        x = x & 0x77777777
+    x, half = _lookup_selectors(_nibble_fields(word, B), B)
     f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
     f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
@@ -304,16 +300,15 @@ def tq_paged_decode_kernel(
 
     last = gl.maximum(kv_len - 1, 0)
     page = gl.load(bt_row + gl.minimum(lo, last) // PAGE).to(gl.int64)
-    if PREFETCH > 0:
-        # The next tile's keys (PREFETCH 1; and values, 2) are loaded before the current tile is computed, so a
-        # warp has two tiles' loads in flight. An empty split's first load reads page 0 (a row past a request's
-        # blocks may hold anything); loads past ``hi`` stay inside the clamped last page, their scales zero.
+    if PREFETCH:
+        # The next tile's keys and values are loaded before the current tile is computed, so a warp has two tiles'
+        # loads in flight. An empty split's first load reads page 0 (a row past a request's blocks may hold
+        # anything); loads past ``hi`` stay inside the clamped last page, their scales zero.
         page = gl.where(lo < hi, page, 0)
         nk0, nk1, nk2, nk3, nksc = _load_component(cache_head, scale_head, page, stride_cb, lo, hi, ktok, ts,
                                                    kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
-        if PREFETCH == 2:
-            nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, lo, hi, vtok, ts,
-                                                       vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
+        nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, lo, hi, vtok, ts,
+                                                   vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
         next_page = gl.load(bt_row + gl.minimum(lo + BN, last) // PAGE).to(gl.int64)
     for start in range(lo, hi, BN):
         if CENTER:
@@ -330,23 +325,20 @@ def tq_paged_decode_kernel(
                 gsm.store(gl.permute(g * cscale[:, None], [1, 0]))
                 gl.thread_barrier()
                 cur_blk = blk
-        this_page = page
-        if PREFETCH > 0:
-            page = next_page
+        if PREFETCH:
             kq0, kq1, kq2, kq3, ksc = nk0, nk1, nk2, nk3, nksc
+            vq0, vq1, vq2, vq3, vsc = nv0, nv1, nv2, nv3, nvsc
+            page = next_page
             nk0, nk1, nk2, nk3, nksc = _load_component(cache_head, scale_head, page, stride_cb, start + BN, hi, ktok,
                                                        ts, kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
-            if PREFETCH == 2:
-                vq0, vq1, vq2, vq3, vsc = nv0, nv1, nv2, nv3, nvsc
-                nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, start + BN, hi,
-                                                           vtok, ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF,
-                                                           V_ROW)
+            nv0, nv1, nv2, nv3, nvsc = _load_component(cache_head, scale_head, page, stride_cb, start + BN, hi, vtok,
+                                                       ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
             next_page = gl.load(bt_row + gl.minimum(start + 2 * BN, last) // PAGE).to(gl.int64)
         else:
+            this_page = page
             page = gl.load(bt_row + gl.minimum(start + BN, last) // PAGE).to(gl.int64)
             kq0, kq1, kq2, kq3, ksc = _load_component(cache_head, scale_head, this_page, stride_cb, start, hi, ktok,
                                                       ts, kgofs, PAGE, KB, KG, GR, K_IDX_OFF, K_SC_OFF, K_ROW)
-        if PREFETCH < 2:
             vq0, vq1, vq2, vq3, vsc = _load_component(cache_head, scale_head, this_page, stride_cb, start, hi, vtok,
                                                       ts, vgofs, PAGE, VB, VG, GRV, V_IDX_OFF, V_SC_OFF, V_ROW)
         kw = gl.convert_layout(_planes_to_words(kq0, kq1, kq2, kq3, KB, GR), kw_l, assert_trivial=True)
