@@ -2,7 +2,8 @@
 """Start-up of vLLM's TurboQuant layers (called from vLLM's kernel warm-up, patch 0007): attach key centering, give the
 centred layers their sums kept across steps, then compile every kernel variant the serving paths can reach (store;
 decode split/unsplit; chunked-prefill context for every query-block shape; split merge), on the null block 0 of each
-group's KV cache, before CUDA-graph capture.
+group's KV cache, before CUDA-graph capture. MLA groups (TURBOQUANT_MLA): store, decode with every split-merge
+variant, and the prefill context's gather.
 
 vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
 this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
@@ -17,6 +18,7 @@ from vllm.logger import init_logger
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
 from .centering import attach_key_centering
+from .mla_backend import TQMLABackend
 
 # Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger(f"vllm.{__name__}")
@@ -44,12 +46,18 @@ def warmup_tq_attention(model_runner) -> None:
     t0, launches, kept_layers, kept_bytes = time.perf_counter(), 0, 0, 0
     for groups in getattr(model_runner, "attn_groups", None) or []:
         for group in groups:
-            if group.backend is not TQAttentionBackend or not group.layer_names:
+            if group.backend not in (TQAttentionBackend, TQMLABackend) or not group.layer_names:
                 continue
             kv_cache = ctx[group.layer_names[0]].kv_cache
             if isinstance(kv_cache, (list, tuple)):
                 kv_cache = kv_cache[0]
             if kv_cache.numel() == 0:
+                continue
+            if group.backend is TQMLABackend:
+                impl = ctx[group.layer_names[0]].impl
+                launches += group.get_metadata_builder().warmup_kernels(
+                    kv_cache, dtype, impl.num_heads, impl.scale
+                )
                 continue
             kept = _keep_center_sums(group, ctx, kv_cache.shape[0], kv_cache.device)
             kept_layers += kept[0]

@@ -1,0 +1,385 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's TURBOQUANT_MLA attention backend: MLA layers (DeepSeek V2/V3 style) with a ``turboquant_*`` KV cache.
+
+``AttentionBackendEnum.TURBOQUANT_MLA`` points here and the CUDA platform selects it for MLA models whose cache dtype
+is a ``turboquant_*`` preset (patch 0011 of ``vllm_patches/v0.26.0``). vLLM's MLA layer (``MLAAttention``) and its
+common implementation (``MLACommonImpl``: the absorbed decode query, W_UV, the dense prefill through the selected MLA
+prefill backend, chunked context) stay as they are; this backend replaces what touches the cache:
+
+- the page: one uint8 row ``[num_blocks, page_bytes]`` per layer (``ops.mla_layout.MLAPagedLayout``, the preset's
+  ``formats.MLAFormat``: the latent with the preset's key encoding, k_pe in bf16), sized by ``TQMLAAttentionSpec``;
+- the store (``do_kv_cache_update``, vLLM's ``concat_and_cache_mla`` contract): ``ops.mla.mla_store``;
+- decode (``forward_mqa``): ``ops.mla.mla_decode_attention``, attention straight from the compressed pages with the
+  absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read;
+- the prefill context (``_gather_context_chunk``, vLLM's ``gather_and_maybe_dequant_cache`` contract):
+  ``ops.mla.mla_gather_dequant`` into vLLM's chunked-context workspace, then vLLM's own MLA prefill path.
+
+Not covered, refused at start-up: sparse (indexer) MLA, decode context parallelism, the TurboQuant options that act on
+per-head keys (boundary layers kept in bf16, prefill from the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVQuantMode
+
+from ..config import TQConfig
+from ..formats import KV_FORMATS
+from ..ops.mla import MLA_MAX_SPLITS, mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
+from ..ops.mla_layout import MLAPagedLayout, mla_kv_cache_shape, mla_paged_layout
+from .spec import TQMLAAttentionSpec
+
+# Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
+logger = init_logger(f"vllm.{__name__}")
+
+# head_size (kv_lora_rank + rope_dim) -> (kv_lora_rank, rope_dim) of the MLA layers built in this process. vLLM shapes
+# a cache from its head size alone (get_kv_cache_shape), which does not tell the two parts apart; the layers know.
+_MLA_DIMS: dict[int, tuple[int, int]] = {576: (512, 64)}  # DeepSeek V2/V3, Kimi K2: known without a layer
+
+
+def _check_tq_dtype(cache_dtype_str: str) -> None:
+    if cache_dtype_str not in KV_FORMATS:
+        raise ValueError(
+            f"the TURBOQUANT_MLA attention backend serves turboquant_* KV-cache dtypes only, got "
+            f"{cache_dtype_str!r}; valid: {', '.join(KV_FORMATS)}"
+        )
+
+
+def register_mla_dims(kv_lora_rank: int, rope_dim: int) -> None:
+    """Record the (kv_lora_rank, rope_dim) split of an MLA layer's head size for ``mla_dims``."""
+    head_size = kv_lora_rank + rope_dim
+    known = _MLA_DIMS.get(head_size)
+    if known is not None and known != (kv_lora_rank, rope_dim) and head_size != 576:
+        raise ValueError(
+            f"two MLA layer shapes with head size {head_size}: {known} and {(kv_lora_rank, rope_dim)}"
+        )
+    _MLA_DIMS[head_size] = (kv_lora_rank, rope_dim)
+
+
+def mla_dims(head_size: int) -> tuple[int, int]:
+    """(kv_lora_rank, rope_dim) of the MLA layers whose cache head size is ``head_size``."""
+    found = _MLA_DIMS.get(head_size)
+    if found is None:
+        raise ValueError(
+            f"no TurboQuant MLA layer with head size {head_size} was built; known head sizes: "
+            f"{', '.join(map(str, sorted(_MLA_DIMS)))}"
+        )
+    return found
+
+
+def tq_mla_kv_cache_spec(layer, vllm_config: VllmConfig) -> TQMLAAttentionSpec:
+    """The KV-cache spec of vLLM MLA layer ``layer`` (``MLAAttention``) with a ``turboquant_*`` cache dtype: one page
+    is ``MLAPagedLayout.page_bytes`` for the block size."""
+    _check_tq_dtype(layer.kv_cache_dtype)
+    register_mla_dims(layer.kv_lora_rank, layer.qk_rope_head_dim)
+    return TQMLAAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=1,
+        head_size=layer.head_size,
+        dtype=torch.uint8,
+        cache_dtype_str=layer.kv_cache_dtype,
+        kv_quant_mode=KVQuantMode.NONE,
+        tq_kv_lora_rank=layer.kv_lora_rank,
+    )
+
+
+class TQMLABackend(MLACommonBackend):
+    """MLA attention over a TurboQuant-compressed paged latent cache."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_FORMATS)  # type: ignore[assignment]
+
+    @staticmethod
+    def get_name() -> str:
+        # Must stay an AttentionBackendEnum member name.
+        return "TURBOQUANT_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[TQMLAImpl]:
+        return TQMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TQMLAMetadataBuilder]:
+        return TQMLAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """(num_blocks, page_bytes), uint8."""
+        _check_tq_dtype(cache_dtype_str)
+        layout = mla_paged_layout(cache_dtype_str, block_size, *mla_dims(head_size))
+        if layout.padding_bytes():
+            # The spec prices a page as MLAPagedLayout.page_bytes of its own block size; a kernel block of another
+            # size would not tile it.
+            raise ValueError(
+                f"{cache_dtype_str}: MLA block size {block_size} needs {layout.padding_bytes()} padding bytes per "
+                f"page; use a block size that is a multiple of 16"
+            )
+        return mla_kv_cache_shape(num_blocks, layout)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        return (0, 1, 2) if include_num_layers_dimension else (0, 1)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [16, 32, 64, 128]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
+        return kv_cache_dtype is not None and kv_cache_dtype in KV_FORMATS
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # KV connectors assume vLLM's own page layouts; not validated with ours.
+        return False
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # Tensor-core tl.dot in the kernels; FlashAttention-class MLA prefill.
+        return capability >= DeviceCapability(8, 0)
+
+
+@dataclass
+class TQMLADecodeMetadata(MLACommonDecodeMetadata):
+    # KV splits per request of this step's decode launch (host int: the grid).
+    num_splits: int = 1
+
+
+class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    # Pure single-token decode batches replay as full CUDA graphs (the decode launch
+    # reads only persistent metadata buffers and makes no host sync); batches with
+    # prefills run piecewise, as with vLLM's other MLA backends.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.dcp_world_size > 1 or self.use_pcp:
+            raise NotImplementedError(
+                "TurboQuant MLA caches do not support decode or prefill context parallelism "
+                f"(decode_context_parallel_size={self.dcp_world_size})"
+            )
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self._decode_max_seq_len: int | None = None
+        self.layout = mla_paged_layout(
+            vllm_config.cache_config.cache_dtype,
+            kv_cache_spec.block_size,
+            self.mla_dims.kv_lora_rank,
+            self.mla_dims.qk_rope_head_dim,
+        )
+        logger.info_once(
+            "TurboQuant MLA attention: %s, kv_lora_rank %d, rope %d, block %d, %d B per token "
+            "(bf16 %d B), latent %s",
+            vllm_config.cache_config.cache_dtype,
+            self.mla_dims.kv_lora_rank,
+            self.mla_dims.qk_rope_head_dim,
+            kv_cache_spec.block_size,
+            self.layout.fmt.bytes_per_token(),
+            2 * (self.mla_dims.kv_lora_rank + self.mla_dims.qk_rope_head_dim),
+            self.layout.fmt.latent.describe(),
+        )
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> TQMLADecodeMetadata:
+        longest = max_seq_len if self._decode_max_seq_len is None else self._decode_max_seq_len
+        return TQMLADecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            num_splits=mla_decode_splits(block_table_tensor.shape[0], self.num_heads, longest, self.device),
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
+        # The captured launch keeps its split count for every replay: size it for the
+        # longest sequence the model serves, not for the dummy capture batch.
+        self._decode_max_seq_len = self.max_model_len
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._decode_max_seq_len = None
+
+    def warmup_kernels(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int, scale: float) -> int:
+        """Compile the store, decode (split and unsplit), split-merge and context-gather kernels before serving;
+        writes only the null block 0 (vLLM never hands it to a request)."""
+        dev = kv_cache.device
+        lay = self.layout
+        lr, r = lay.kv_lora_rank, lay.rope_dim
+        tokens = min(lay.block_size, 16)
+        slots = torch.arange(tokens, dtype=torch.int64, device=dev)
+        mla_store(torch.zeros(tokens, lr, dtype=dtype, device=dev), torch.zeros(tokens, r, dtype=dtype, device=dev),
+                  kv_cache, slots, lay)
+        block_table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((1,), tokens, dtype=torch.int32, device=dev)
+        q = torch.zeros(1, num_heads, lr, dtype=dtype, device=dev)
+        q_pe = torch.zeros(1, num_heads, r, dtype=dtype, device=dev)
+        # One decode kernel; the split merge compiles once per power-of-two split count.
+        launches = 0
+        splits = 1
+        while splits <= MLA_MAX_SPLITS:
+            mla_decode_attention(q, q_pe, kv_cache, lay, block_table, seq_lens, scale, num_splits=splits)
+            launches += 1
+            splits *= 2
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+        to_seq = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        dst = torch.empty(tokens, lr + r, dtype=dtype, device=dev)
+        starts = torch.zeros(1, dtype=torch.int32, device=dev)
+        mla_gather_dequant(kv_cache, lay, dst, block_table, cu, to_seq, tokens, seq_starts=starts)
+        return launches + 2
+
+
+class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
+    can_return_lse_for_decode: bool = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        # MLA specific arguments
+        **mla_args,
+    ) -> None:
+        _check_tq_dtype(kv_cache_dtype)
+        if mla_args.get("indexer") is not None:
+            raise NotImplementedError("TurboQuant MLA caches do not support sparse (indexer) MLA")
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise NotImplementedError(
+                "TurboQuant MLA attention does not support ALiBi, sliding windows or logit soft-capping"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"TurboQuant MLA attention supports decoder self-attention only, got {attn_type}")
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+            logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args,
+        )
+        tq_config = TQConfig.from_vllm(get_current_vllm_config_or_none())
+        if tq_config.boundary_layers:
+            raise NotImplementedError(
+                f"--tq-boundary-layers {tq_config.boundary_layers}: MLA layers cannot keep some layers' latents in "
+                "bf16 next to TurboQuant ones (one page size per model); leave it at 0"
+            )
+        if tq_config.prefill_from_cache:
+            raise NotImplementedError(
+                "--tq-prefill-from-cache is not supported on MLA layers (they prefill through vLLM's MLA prefill path)"
+            )
+        register_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
+        self.fmt_name = kv_cache_dtype
+        # The queries are rotated into the latent's domain in float32 by our launcher;
+        # nothing is quantized to fp8 on the way in.
+        self.supports_quant_query_input = False
+        self._layouts: dict[int, MLAPagedLayout] = {}
+
+    def layout_for(self, kv_cache: torch.Tensor) -> MLAPagedLayout:
+        """Page layout of this layer's cache, from its (host-known) shape."""
+        page_bytes = kv_cache.shape[-1]
+        layout = self._layouts.get(page_bytes)
+        if layout is None:
+            probe = mla_paged_layout(self.fmt_name, 16, self.kv_lora_rank, self.qk_rope_head_dim)
+            layout = mla_paged_layout(
+                self.fmt_name, page_bytes // probe.fmt.bytes_per_token(), self.kv_lora_rank, self.qk_rope_head_dim
+            )
+            if layout.page_bytes != page_bytes:
+                raise ValueError(
+                    f"MLA cache rows of {page_bytes} bytes are no {self.fmt_name} page "
+                    f"({probe.fmt.bytes_per_token()} B per token)"
+                )
+            self._layouts[page_bytes] = layout
+        return layout
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        if kv_cache.numel() == 0:
+            return
+        slots = slot_mapping.flatten()
+        # slot_mapping covers the real tokens; kv_c / k_pe may carry CUDA-graph padding rows.
+        n = slots.shape[0]
+        mla_store(kv_c_normed[:n], k_pe.reshape(k_pe.shape[0], -1)[:n], kv_cache, slots, self.layout_for(kv_cache))
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None
+        if isinstance(q, tuple):
+            ql_nope, q_pe = q
+        else:
+            ql_nope, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        num_splits = decode.num_splits if isinstance(decode, TQMLADecodeMetadata) else None
+        return mla_decode_attention(
+            ql_nope,
+            q_pe,
+            kv_c_and_k_pe_cache,
+            self.layout_for(kv_c_and_k_pe_cache),
+            decode.block_table,
+            decode.seq_lens,
+            self.scale,
+            max_seq_len=attn_metadata.max_seq_len,
+            num_splits=num_splits,
+        )
+
+    def _gather_context_chunk(
+        self,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        chunk_idx: int,
+        k_scale: torch.Tensor,
+        use_fp8_prefill: bool,
+    ) -> None:
+        prefill = attn_metadata.prefill
+        assert prefill is not None and prefill.chunked_context is not None
+        chunked = prefill.chunked_context
+        mla_gather_dequant(
+            kv_c_and_k_pe_cache,
+            self.layout_for(kv_c_and_k_pe_cache),
+            chunked.workspace,
+            prefill.block_table,
+            chunked.cu_seq_lens[chunk_idx],
+            chunked.token_to_seq[chunk_idx],
+            chunked.chunk_total_token[chunk_idx],
+            seq_starts=chunked.starts[chunk_idx],
+        )
