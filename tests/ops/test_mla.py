@@ -299,7 +299,8 @@ def test_gather_dequant_matches_reference_and_the_stored_latents(name, dtype, de
     seq = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), lens)
     dst = torch.full((n + 3, L + R), float("nan"), dtype=dtype, device=device)
     args = (bt, cu.to(device), seq.to(device), n)
-    mla_gather_dequant(cache, lay, dst, *args, seq_starts=starts.to(device))
+    # num_tokens as vLLM passes it: a row of its CPU cu_seq_lens (a 0-dim tensor), not an int
+    mla_gather_dequant(cache, lay, dst, *args[:3], cu[-1], seq_starts=starts.to(device))
     ref = mla_gather_dequant_ref(cache, lay, *args, seq_starts=starts.to(device))
     assert torch.isnan(dst[n:]).all()
     # (fp16 codebook values, as attention's lookups: about 5e-4 relative of each coordinate)

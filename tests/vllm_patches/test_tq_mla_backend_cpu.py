@@ -235,7 +235,7 @@ def test_prefill_context_goes_through_vllm_mla_prefill_with_our_gather(tqm, monk
     chunked = MLACommonPrefillMetadata.ChunkedContextMetadata(
         cu_seq_lens=cu, starts=starts, seq_tot=[38, 10], max_seq_lens=[20, 10],
         seq_lens=torch.tensor(lens, dtype=torch.int32), workspace=workspace, token_to_seq=tok,
-        chunk_total_token=[38, 10], has_empty_context=[False, True])
+        chunk_total_token=torch.stack(cu)[:, -1], has_empty_context=[False, True])  # (vLLM's: a CPU tensor)
 
     def run_chunk(chunk_idx, q, k, v):
         """Non-causal attention of each request's queries over its chunk rows, float64 -> ([T, H, V], lse [H, T])."""

@@ -165,13 +165,14 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
 
 
 def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.Tensor, block_table: torch.Tensor,
-                       cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
+                       cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int | torch.Tensor,
                        seq_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Cached tokens into dense rows dst[i] = [kv_c | k_pe] (dst [>= num_tokens, kv_lora_rank + rope_dim], fp16 /
     bf16 / fp32), vLLM's ``gather_and_maybe_dequant_cache`` contract: row i is the token of request
     ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq]`` (plus ``seq_starts[seq]``: a later chunk of the
-    context), read through ``block_table[seq]``. Rows from ``num_tokens`` on are not written. No host
-    synchronization."""
+    context), read through ``block_table[seq]``. Rows from ``num_tokens`` on are not written. ``num_tokens`` is a
+    host int or a one-element CPU tensor (vLLM passes a row of its CPU ``cu_seq_lens``); no host synchronization."""
+    num_tokens = int(num_tokens)
     lr, r = layout.kv_lora_rank, layout.rope_dim
     if dst.dim() != 2 or dst.shape[0] < num_tokens or dst.shape[1] != lr + r or dst.stride(1) != 1:
         raise ValueError(f"dst must be [>= {num_tokens}, {lr + r}] with a contiguous last dim, got {tuple(dst.shape)}")
