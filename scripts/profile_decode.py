@@ -58,9 +58,10 @@ back, or when GPU busy time covers less than half of the step.
 
 Hardware limits (ms at the GPU's copy bandwidth, measured in the subprocess: a 1 GiB device-to-device copy timed with
 CUDA events, counted as bytes read + written): attention reads running x mean context x layers x KV heads x bytes per
-token per head (turboquant_core.formats for turboquant_*, 2*2*head_dim for bf16, 2*head_dim for fp8); the KV store
-reads the new token's K and V in bf16 and writes them in the cache dtype; GEMMs read every weight matrix but the input
-embedding once. Elsewhere no limit is given.
+token per head (turboquant_core.formats for turboquant_*, 2*2*head_dim for bf16, 2*head_dim for fp8; MLA models
+one latent entry per token and layer: the format table's MLA entry, 2*576 bytes for bf16); the KV store reads the
+new token's K and V (MLA: its latent) in bf16 and writes them in the cache dtype; GEMMs read every weight matrix but
+the input embedding once. Elsewhere no limit is given.
 
 Output in --out: profile.json (device, date, command, per config and scenario: running sequences, mean context,
 step ms, per family ms / share / ms per 100 sequences / limit, kernels per step, top 15 kernels), profile.md (per
@@ -97,12 +98,12 @@ STEP_MARK = "tq_decode_step_"
 # "cutlass::device_kernel<flash::...>", argmax (an at::native reduce) sampling before the at::native catch-all.
 FAMILY_RULES: tuple[tuple[str, str], ...] = (
     ("memcpy", r"^mem(cpy|set)\b"),  # torch.profiler's names of copies and memsets: "Memcpy DtoH (...)"
-    ("kv_store", r"reshape_and_cache|concat_and_cache|tq_paged_store|tq_fused_store"),
+    ("kv_store", r"reshape_and_cache|concat_and_cache|tq_paged_store|tq_fused_store|tq_mla_store"),
     ("key_centering", r"key_?cent|center_queries"),  # the sums, and the queries' centring operands
     ("split_merge", r"tq_merge_splits|tq_merge_unrotate|splitkv_combine|flash_fwd_combine|FlashAttnFwdCombine|"
                     r"merge_attn_states|fwd_kernel_stage2"),
     ("attention", r"flash_fwd|flashattn|flash::|fmha|tq_paged_attention|tq_paged_decode|tq_rotate_queries|"
-                  r"tq_paged_gather_dequant|tq_decode_stage1|"
+                  r"tq_paged_gather_dequant|tq_decode_stage1|tq_mla_decode|tq_mla_gather|"
                   r"tq_full_dequant|paged_attention|unified_attention|fwd_(grouped_)?kernel_stage1|flashinfer|"
                   r"BatchDecode|BatchPrefill"),
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688"),
@@ -262,9 +263,21 @@ def steady(records: list[dict], warm: int) -> bool:
     return len(records) > warm and all(r["pure"] for r in records[-(warm + 1):])
 
 
-def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int) -> int | None:
+def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int, mla: tuple[int, int] | None = None) -> int | None:
     """K+V bytes one token takes per KV head: the format table for turboquant_*, 2*2*head_dim for bf16/fp16/auto,
-    2*head_dim for fp8; None when unknown."""
+    2*head_dim for fp8; None when unknown. MLA layers (``mla`` = (kv_lora_rank, rope_dim); one "KV head" of
+    head_dim = their sum) cache one entry per token: the format table's MLA entry, 2*head_dim for bf16, head_dim for
+    fp8."""
+    if mla is not None:
+        if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
+            return 2 * head_dim
+        if kv_cache_dtype.startswith("fp8"):
+            return head_dim
+        try:
+            from turboquant_core.formats import KV_FORMATS, mla_format
+        except ImportError:
+            return None
+        return mla_format(kv_cache_dtype, *mla).bytes_per_token() if kv_cache_dtype in KV_FORMATS else None
     if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
         return 2 * 2 * head_dim
     if kv_cache_dtype.startswith("fp8"):
@@ -278,15 +291,18 @@ def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int) -> int | Non
 
 
 def hardware_limits(*, running: float, mean_context: float, layers: int, kv_heads: int, head_dim: int,
-                    kv_cache_dtype: str, gemm_weight_bytes: float | None, copy_bytes_per_s: float | None) -> dict:
+                    kv_cache_dtype: str, gemm_weight_bytes: float | None, copy_bytes_per_s: float | None,
+                    mla: tuple[int, int] | None = None) -> dict:
     """{family: {"bytes", "ms"}}: bytes one decode step must move, over the copy bandwidth (see the module doc)."""
     if not copy_bytes_per_s:
         return {}
-    bpt = kv_bytes_per_token_per_head(kv_cache_dtype, head_dim)
+    bpt = kv_bytes_per_token_per_head(kv_cache_dtype, head_dim, mla)
     moved = {}
     if bpt:
         moved["attention"] = running * mean_context * layers * kv_heads * bpt
-        moved["kv_store"] = running * layers * kv_heads * (2 * 2 * head_dim + bpt)
+        # the store reads the step's bf16 K and V (one bf16 latent entry for MLA) and writes the cache's entries
+        read = 2 * head_dim if mla is not None else 2 * 2 * head_dim
+        moved["kv_store"] = running * layers * kv_heads * (read + bpt)
     if gemm_weight_bytes:
         moved["gemm"] = gemm_weight_bytes
     return {f: dict(bytes=b, ms=1e3 * b / copy_bytes_per_s) for f, b in moved.items()}
@@ -314,6 +330,7 @@ def finish_run(raw: dict, *, kv_cache_dtype: str, shape: dict, gemm_weight_bytes
     step, running = raw["step_ms"], raw["running_seqs"]
     limits = hardware_limits(running=running, mean_context=raw["mean_context"], layers=shape["layers"],
                              kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], kv_cache_dtype=kv_cache_dtype,
+                             mla=tuple(shape["mla"]) if shape.get("mla") else None,
                              gemm_weight_bytes=gemm_weight_bytes, copy_bytes_per_s=copy_bytes_per_s)
     gaps = max(0.0, step - raw["busy_ms"])
 
@@ -668,6 +685,9 @@ def worker(args: argparse.Namespace) -> None:
     vc = engine.vllm_config
     mc, pc, cc = vc.model_config, vc.parallel_config, vc.cache_config
     shape = dict(layers=mc.get_num_layers(pc), kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size())
+    if mc.use_mla:  # (kv_lora_rank, rope_dim): one latent entry per token and layer
+        hf = mc.hf_text_config
+        shape["mla"] = (hf.kv_lora_rank, hf.qk_rope_head_dim)
     result.update(model_shape=shape, weights=llm.apply_model(weight_bytes)[0], num_gpu_blocks=cc.num_gpu_blocks,
                   block_size=cc.block_size, kv_capacity_tokens=(cc.num_gpu_blocks or 0) * cc.block_size,
                   async_scheduling=bool(vc.scheduler_config.async_scheduling),

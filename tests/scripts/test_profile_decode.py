@@ -206,6 +206,16 @@ def test_kv_bytes_and_limits(prof):
     k3v4 = KV_FORMATS["turboquant_k3v4_nc"].bytes_per_token_per_head(128)
     assert prof.kv_bytes_per_token_per_head("turboquant_k3v4_nc", 128) == k3v4
     assert prof.kv_bytes_per_token_per_head("nonsense", 128) is None
+    # MLA: one latent entry per token (DeepSeek: kv_lora_rank 512 + rope 64 = one "head" of 576)
+    mla = (512, 64)
+    assert prof.kv_bytes_per_token_per_head("auto", 576, mla) == 1152
+    assert prof.kv_bytes_per_token_per_head("fp8", 576, mla) == 576
+    assert prof.kv_bytes_per_token_per_head("turboquant_k3v4_nc", 576, mla) == 322
+    lim_mla = prof.hardware_limits(running=64, mean_context=1000, layers=27, kv_heads=1, head_dim=576,
+                                   kv_cache_dtype="turboquant_k3v4_nc", gemm_weight_bytes=None,
+                                   copy_bytes_per_s=1e12, mla=mla)
+    assert lim_mla["attention"]["bytes"] == 64 * 1000 * 27 * 322
+    assert lim_mla["kv_store"]["bytes"] == 64 * 27 * (1152 + 322)
     lim = prof.hardware_limits(running=64, mean_context=1000, layers=36, kv_heads=8, head_dim=128,
                                kv_cache_dtype="auto", gemm_weight_bytes=15e9, copy_bytes_per_s=3e12)
     assert lim["attention"]["bytes"] == 64 * 1000 * 36 * 8 * 512
