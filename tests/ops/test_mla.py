@@ -14,7 +14,13 @@ import torch
 from tests.ops.test_codec import near_boundary
 from turboquant_core.formats import KV_FORMATS, mla_format
 from turboquant_core.ops.codec import encode, unpack_segments
-from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
+from turboquant_core.ops.mla import (
+    mla_absorbed_weights,
+    mla_decode_attention,
+    mla_decode_splits,
+    mla_gather_dequant,
+    mla_store,
+)
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_kv_cache_shape, mla_paged_layout
 from turboquant_core.ops.mla_reference import (
     fp8_ds_mla_round_trip,
@@ -248,7 +254,13 @@ from tests.ops import sm90_probe
 
 sm90_probe.install_printer()
 
-from turboquant_core.ops.mla import mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
+from turboquant_core.ops.mla import (
+    mla_absorbed_weights,
+    mla_decode_attention,
+    mla_decode_splits,
+    mla_gather_dequant,
+    mla_store,
+)
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
 
 for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc", "turboquant_3p5bit_nc",
@@ -415,6 +427,35 @@ def test_decode_attention_kernel_matches_reference(name, splits, device):
     assert rel.max() < 1e-2, float(rel.max())
     torch.testing.assert_close(lse[live], ref_lse[live], rtol=0, atol=1e-2)
     assert torch.isinf(lse[~live]).all() and (lse[~live] < 0).all() and not out[~live].any()
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_k8v4"])
+def test_rotation_folded_into_the_absorbed_weights_gives_the_same_heads(name, device):
+    """vLLM's decode: q_nope @ W_UK_T, attention, then @ W_UV. With mla_absorbed_weights' W_UK_T and W_UV and
+    ``rotated=True`` (no rotation product per step) the value heads are those of the per-step rotation, to the
+    rounding of the bf16 weights and of the fp16 operands."""
+    lay, cache, bt, seq_lens, _, _, _, q_pe = _paged_requests(name, [37, 5, 70], heads=4, seed=31, device=device)
+    g = torch.Generator().manual_seed(32)
+    h, p, v = 4, 64, 48
+    w_uk_t = (torch.randn(h, p, L, generator=g) / p ** 0.5).to(torch.bfloat16).to(device)
+    w_uv = (torch.randn(h, L, v, generator=g) / L ** 0.5).to(torch.bfloat16).to(device)
+    q_nope = torch.randn(3, h, p, generator=g).to(torch.bfloat16).to(device)
+    q_pe, sl = q_pe.to(torch.bfloat16).to(device), seq_lens.to(device)
+    ql = torch.einsum("bhp,hpl->bhl", q_nope.float(), w_uk_t.float()).to(torch.bfloat16)
+    out, lse = mla_decode_attention(ql, q_pe, cache, lay, bt, sl, SOFTMAX_SCALE, num_splits=2)
+    want = torch.einsum("bhl,hlv->bhv", out.float(), w_uv.float())
+    f_uk, f_uv = mla_absorbed_weights(lay, w_uk_t, w_uv)
+    assert f_uk.shape == w_uk_t.shape and f_uv.shape == w_uv.shape and f_uk.dtype == torch.bfloat16
+    ql_rot = torch.einsum("bhp,hpl->bhl", q_nope.float(), f_uk.float()).to(torch.bfloat16)
+    out_rot, lse_rot = mla_decode_attention(ql_rot, q_pe, cache, lay, bt, sl, SOFTMAX_SCALE, num_splits=2,
+                                            rotated=True)
+    assert out_rot.dtype == torch.bfloat16
+    got = torch.einsum("bhl,hlv->bhv", out_rot.float(), f_uv.float())
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert rel.max() < 2e-2, float(rel.max())
+    torch.testing.assert_close(lse_rot, lse, rtol=5e-3, atol=2e-2)
+    with pytest.raises(ValueError, match="W_UK_T"):
+        mla_absorbed_weights(lay, w_uk_t[..., :256], w_uv)
 
 
 def test_decode_attention_split_count_changes_little(device):

@@ -291,3 +291,69 @@ def test_unsupported_mla_variants_are_refused(tqm):
         tqm.TQMLAImpl(HEADS, LR + R, 0.1, 1, None, None, "auto", None, "decoder", None)
     with pytest.raises(NotImplementedError, match="sparse"):
         tqm.TQMLAImpl(HEADS, LR + R, 0.1, 1, None, None, FMT, None, "decoder", None, indexer=object())
+
+
+def _mla_layer(tqm, monkeypatch, act_dtype=torch.float32):
+    """vLLM's own MLAAttention with our backend, its absorbed weights made by its process_weights_after_loading. The
+    MLA prefill backend (FlashAttention, not importable without CUDA) is left out: decode steps never call it."""
+    import vllm.model_executor.layers.attention.mla_attention as mla_attention
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    class _NoPrefillBackend:
+        def __init__(self, **_):
+            pass
+
+    monkeypatch.setattr(mla_attention, "get_mla_prefill_backend", lambda config: _NoPrefillBackend)
+    g = torch.Generator().manual_seed(21)
+    kv_b = _Linear(torch.randn(HEADS * (NOPE + V), LR, generator=g) / LR ** 0.5)
+    kv_b.quant_method = None
+    config = VllmConfig()
+    config.cache_config.cache_dtype = FMT
+    with set_current_vllm_config(config):
+        layer = mla_attention.MLAAttention(
+            num_heads=HEADS, scale=(NOPE + R) ** -0.5, qk_nope_head_dim=NOPE, qk_rope_head_dim=R, v_head_dim=V,
+            q_lora_rank=None, kv_lora_rank=LR, kv_b_proj=kv_b, cache_config=config.cache_config,
+            prefix="model.layers.0.self_attn.attn", attn_backend=tqm.TQMLABackend)
+    kv_b_before = kv_b.weight.detach().clone()
+    layer.process_weights_after_loading(act_dtype)
+    # the rotation went into the decode weights only: prefill still reads kv_b_proj as loaded
+    assert layer.impl.rotation_folded and torch.equal(kv_b.weight, kv_b_before)
+    layer.impl.dcp_world_size = 1
+    return layer
+
+
+def test_decode_step_through_vllm_mla_layer_is_mla_attention_on_the_stored_latents(tqm, monkeypatch):
+    """One decode step through MLAAttention.forward_impl (vLLM's absorbed query W_UK_T, our forward_mqa, vLLM's W_UV)
+    against MLA attention written out in float64 over the latents the cache holds: keys [kv_c W_UK | k_pe], values
+    kv_c W_UV, per head."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+
+    layer = _mla_layer(tqm, monkeypatch)
+    impl = layer.impl
+    seq_lens = [37, 5, 20]
+    cache, bt, _, _ = _requests(impl, seq_lens, seed=22)
+    lay = impl.layout_for(cache)
+    g = torch.Generator().manual_seed(23)
+    b = len(seq_lens)
+    q = torch.randn(b, HEADS, NOPE + R, generator=g)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    decode = tqm.TQMLADecodeMetadata(block_table=bt, seq_lens=sl, dcp_tot_seq_lens=None, num_splits=2)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    md = MLACommonMetadata(num_reqs=b, max_query_len=1, max_seq_len=max(seq_lens), num_actual_tokens=b,
+                           query_start_loc=qsl, slot_mapping=torch.full((b,), -1, dtype=torch.int64), num_decodes=b,
+                           num_decode_tokens=b, num_prefills=0, decode=decode)
+    out = torch.full((b, HEADS * V), float("nan"))
+    layer.forward_impl(q, torch.zeros(b, LR), torch.zeros(b, 1, R), cache, md, output=out)
+    # reference: plain MLA attention per head over the decoded cache entries
+    w = layer.kv_b_proj.weight.double().view(HEADS, NOPE + V, LR)
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    for r, n in enumerate(seq_lens):
+        rows = mla_gather_dequant_ref(cache, lay, bt[r: r + 1], torch.tensor([0, n]), torch.zeros(n, dtype=torch.long),
+                                      n).double()
+        kv_c, k_pe = rows[:, :LR], rows[:, LR:]
+        k = torch.cat([torch.einsum("hpl,tl->htp", w_uk, kv_c), k_pe.expand(HEADS, -1, -1)], -1)
+        v = torch.einsum("hvl,tl->htv", w_uv, kv_c)
+        s = torch.einsum("hd,htd->ht", q[r].double(), k) * impl.scale
+        want = torch.einsum("ht,htv->hv", torch.softmax(s, -1), v).reshape(-1)
+        rel = (out[r].double() - want).norm() / want.norm()
+        assert rel < 1e-2, (r, float(rel))

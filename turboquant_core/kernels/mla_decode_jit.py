@@ -87,16 +87,17 @@ def tq_mla_decode_kernel(
     Q, stride_qb, stride_qh, QPE, stride_pb, stride_ph,
     CACHE, CACHE16, CACHE_BF16, stride_cb, BLOCK_TABLE, stride_bt, SEQ_LENS, C0, C1,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
-    num_heads, num_splits,
+    num_heads, num_splits, q_scale, pe_scale,
     L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, LATENT_FP8: tl.constexpr,
     G0: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr, G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
     IDX_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SC_OFF: tl.constexpr, IDX_ROW: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):
-    """Grid (requests, cdiv(num_heads, BLOCK_H), num_splits). Q [B, H, L_PAD] fp16: the rotated absorbed queries in
-    kernel order (segment 0 at 0, segment 1 at 8*GP0), QPE [B, H, R] fp16, both pre-scaled; C0/C1: the segments'
-    fp16 codebooks. Writes PART_O[split, request, head, :L_PAD] (the split's normalized output, kernel order) and
-    PART_L[split, request, head] (its log2-sum-exp; -inf for a split with no token)."""
+    """Grid (requests, cdiv(num_heads, BLOCK_H), num_splits). Q [B, H, L_PAD]: the rotated absorbed queries in kernel
+    order (segment 0 at 0, segment 1 at 8*GP0), QPE [B, H, R], any float dtype, times q_scale / pe_scale as they are
+    loaded (the base-2 softmax scale) and then fp16 MMA operands; C0/C1: the segments' fp16 codebooks. Writes
+    PART_O[split, request, head, :L_PAD] (the split's normalized output, kernel order) and PART_L[split, request,
+    head] (its log2-sum-exp; -inf for a split with no token)."""
     req = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -110,15 +111,17 @@ def tq_mla_decode_kernel(
 
     qrow = Q + req.to(tl.int64) * stride_qb + h[:, None] * stride_qh
     p0 = tl.arange(0, 8 * GP0)
-    q0 = tl.load(qrow + p0[None, :], mask=hmask[:, None], other=0.0)
+    q0 = (tl.load(qrow + p0[None, :], mask=hmask[:, None], other=0.0).to(tl.float32) * q_scale).to(tl.float16)
     if G1 > 0:
         p1 = tl.arange(0, 8 * GP1)
         q1 = tl.load(qrow + 8 * GP0 + p1[None, :], mask=hmask[:, None], other=0.0)
+        q1 = (q1.to(tl.float32) * q_scale).to(tl.float16)
     else:
         q1 = q0
     r = tl.arange(0, R)
     qpe = tl.load(QPE + req.to(tl.int64) * stride_pb + h[:, None] * stride_ph + r[None, :], mask=hmask[:, None],
                   other=0.0)
+    qpe = (qpe.to(tl.float32) * pe_scale).to(tl.float16)
 
     cb0 = 0
     cb1 = 0

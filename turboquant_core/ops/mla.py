@@ -11,8 +11,10 @@
 - ``mla_decode_attention(ql_nope, q_pe, cache, layout, block_table, seq_lens, softmax_scale)``: decode attention
   with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
   reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
-  kernel and the merged output rotated back once per head after it. Reference:
-  ``mla_reference.mla_decode_attention_ref``.
+  kernel and the merged output rotated back once per head after it; with ``rotated=True`` the caller's absorbed
+  weights do both (``mla_absorbed_weights``). Reference: ``mla_reference.mla_decode_attention_ref``.
+- ``mla_absorbed_weights(layout, w_uk_t, w_uv)``: vLLM's absorbed MLA weights (W_UK_T, W_UV) with the latent's
+  rotation folded in, so that decode attention needs no rotation product at all.
 """
 
 from __future__ import annotations
@@ -110,14 +112,36 @@ def _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout: MLAPagedL
         raise ValueError(f"the decode kernel needs a power-of-two rope_dim, got {r}")
 
 
+def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
+                         w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's absorbed MLA weights W_UK_T [H, qk_nope, kv_lora_rank] and W_UV [H, kv_lora_rank, v_head] with the
+    latent's rotation folded in (products in float32, results in the inputs' dtypes): queries made with the first
+    are already rotated into the kernel's order (``mla_decode_attention(..., rotated=True)``), and the second turns
+    the rotated-domain output into the value heads directly. Needs kv_lora_rank to be its own padded size (a power of
+    two: 512, 256), as vLLM's W_UV product reads kv_lora_rank columns."""
+    t = mla_tables(layout, w_uk_t.device)
+    rows = t.attn_rows * t.codec.rot_scale  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
+    lr = layout.kv_lora_rank
+    if rows.shape[0] != lr:
+        raise ValueError(f"kv_lora_rank {lr} pads to {rows.shape[0]} rotated coordinates; the rotation cannot be "
+                         "folded into vLLM's absorbed weights")
+    if w_uk_t.shape[-1] != lr or w_uv.shape[-2] != lr or w_uk_t.shape[0] != w_uv.shape[0]:
+        raise ValueError(f"W_UK_T [H, P, {lr}] and W_UV [H, {lr}, V] expected, got {tuple(w_uk_t.shape)} and "
+                         f"{tuple(w_uv.shape)}")
+    return (w_uk_t.float() @ rows.T).to(w_uk_t.dtype), (rows @ w_uv.float()).to(w_uv.dtype)
+
+
 def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, layout: MLAPagedLayout,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, *,
-                         max_seq_len: int | None = None,
-                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         max_seq_len: int | None = None, num_splits: int | None = None,
+                         rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention with the absorbed query over TurboQuant MLA pages: ql_nope [B, H, kv_lora_rank] (W_UK
     applied), q_pe [B, H, rope_dim], request b reading its first seq_lens[b] tokens through block_table[b] ->
     (out [B, H, kv_lora_rank] in ql_nope's dtype, the latent output before W_UV; lse [B, H] fp32, natural log,
     -inf for a request with no token).
+
+    ``rotated``: ql_nope was made with ``mla_absorbed_weights``' W_UK_T (already in the rotated domain, kernel order),
+    and ``out`` is left there for its W_UV; no rotation product runs here.
 
     ``max_seq_len`` (a host int, as vLLM's metadata has it) sizes the splits; without it the seq_lens are read
     (a host synchronization). ``num_splits`` overrides the split count."""
@@ -128,18 +152,25 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     t = mla_tables(layout, dev)
     c = t.codec
     lp = c.dim_pad
-    # Rotate the absorbed queries once per head, into kernel order, pre-scaled for base-2 softmax.
     rows = t.attn_rows  # [L_PAD kernel-order positions, L]
+    # The kernel scales both query parts for the base-2 softmax as it loads them.
     qk_scale = softmax_scale * LOG2E
-    q_rot = ((ql_nope.float() @ rows.T) * (c.rot_scale * qk_scale)).to(torch.float16).contiguous()
-    q_pe16 = (q_pe.float() * qk_scale).to(torch.float16).contiguous()
+    if rotated:
+        if lp != lr:
+            raise ValueError(f"rotated queries need kv_lora_rank ({lr}) to be its own padded size ({lp})")
+        q_rot = ql_nope
+    else:
+        # Rotate the absorbed queries once per head, into kernel order.
+        q_rot = ql_nope.float() @ (rows.T * c.rot_scale)
+    if q_rot.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("ql_nope and q_pe need a contiguous last dim")
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens[:b].max()) if b else 0
         num_splits = mla_decode_splits(b, h, max_seq_len, dev)
     part_o = torch.empty(num_splits, b, h, lp, dtype=torch.float32, device=dev)
     part_l = torch.empty(num_splits, b, h, dtype=torch.float32, device=dev)
-    out_rot = torch.empty(b, h, lp, dtype=torch.float32, device=dev)
+    out_rot = torch.empty(b, h, lp, dtype=ql_nope.dtype if rotated else torch.float32, device=dev)
     lse = torch.empty(h, b, dtype=torch.float32, device=dev)
     if b == 0:
         return torch.empty(0, h, lr, dtype=ql_nope.dtype, device=dev), lse.t()
@@ -147,11 +178,11 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     seg.pop("EXACT_ROT")
     lc = layout.kernel_constexprs()
     tq_mla_decode_kernel[(b, triton.cdiv(h, MLA_DECODE_HEADS), num_splits)](
-        q_rot, q_rot.stride(0), q_rot.stride(1), q_pe16, q_pe16.stride(0), q_pe16.stride(1),
+        q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
         u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens, *t.cent_f16,
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        h, num_splits, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"], IDX_OFF=lc["IDX_OFF"],
-        ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
+        h, num_splits, qk_scale, qk_scale, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"],
+        IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
         BLOCK_H=MLA_DECODE_HEADS, BLOCK_N=MLA_DECODE_TOKENS, WHILE_LOOP=_interpreting(), num_warps=MLA_DECODE_WARPS,
     )
     tq_merge_splits_kernel[(b, h)](
@@ -159,6 +190,8 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
         out_rot, out_rot.stride(0), out_rot.stride(1), lse, lse.stride(0), num_splits,
         S_PAD=triton.next_power_of_2(num_splits), D=lp, D_PAD=lp, WRITE_LSE=True,
     )
+    if rotated:
+        return out_rot, lse.t()
     # Back from the rotated domain, once per head: out = R^T y (the kernel-order rows, +-1 times rot_scale).
     out = (out_rot @ rows) * c.rot_scale
     return out.to(ql_nope.dtype), lse.t()

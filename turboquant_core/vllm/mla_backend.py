@@ -10,7 +10,9 @@ prefill backend, chunked context) stay as they are; this backend replaces what t
   ``formats.MLAFormat``: the latent with the preset's key encoding, k_pe in bf16), sized by ``TQMLAAttentionSpec``;
 - the store (``do_kv_cache_update``, vLLM's ``concat_and_cache_mla`` contract): ``ops.mla.mla_store``;
 - decode (``forward_mqa``): ``ops.mla.mla_decode_attention``, attention straight from the compressed pages with the
-  absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read;
+  absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read; the latent's
+  rotation is folded into the layer's absorbed weights W_UK_T and W_UV when vLLM makes them
+  (``absorb_latent_basis``, called from ``MLAAttention.process_weights_after_loading``), so no rotation runs per step;
 - the prefill context (``_gather_context_chunk``, vLLM's ``gather_and_maybe_dequant_cache`` contract):
   ``ops.mla.mla_gather_dequant`` into vLLM's chunked-context workspace, then vLLM's own MLA prefill path.
 
@@ -40,7 +42,14 @@ from vllm.v1.kv_cache_interface import KVQuantMode
 
 from ..config import TQConfig
 from ..formats import KV_FORMATS
-from ..ops.mla import MLA_MAX_SPLITS, mla_decode_attention, mla_decode_splits, mla_gather_dequant, mla_store
+from ..ops.mla import (
+    MLA_MAX_SPLITS,
+    mla_absorbed_weights,
+    mla_decode_attention,
+    mla_decode_splits,
+    mla_gather_dequant,
+    mla_store,
+)
 from ..ops.mla_layout import MLAPagedLayout, mla_kv_cache_shape, mla_paged_layout
 from .spec import TQMLAAttentionSpec
 
@@ -226,7 +235,8 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         finally:
             self._decode_max_seq_len = None
 
-    def warmup_kernels(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int, scale: float) -> int:
+    def warmup_kernels(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int, scale: float,
+                       rotated: bool = False) -> int:
         """Compile the store, decode (split and unsplit), split-merge and context-gather kernels before serving;
         writes only the null block 0 (vLLM never hands it to a request)."""
         dev = kv_cache.device
@@ -244,7 +254,8 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         launches = 0
         splits = 1
         while splits <= MLA_MAX_SPLITS:
-            mla_decode_attention(q, q_pe, kv_cache, lay, block_table, seq_lens, scale, num_splits=splits)
+            mla_decode_attention(q, q_pe, kv_cache, lay, block_table, seq_lens, scale, num_splits=splits,
+                                 rotated=rotated)
             launches += 1
             splits *= 2
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
@@ -302,6 +313,24 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # nothing is quantized to fp8 on the way in.
         self.supports_quant_query_input = False
         self._layouts: dict[int, MLAPagedLayout] = {}
+        # Set by absorb_latent_basis: the layer's W_UK_T / W_UV carry the latent's rotation.
+        self.rotation_folded = False
+
+    def absorb_latent_basis(self, w_uk_t: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's absorbed weights (W_UK_T [H, P, kv_lora_rank], W_UV [H, kv_lora_rank, V]) for this cache: with
+        the latent's rotation folded in (``ops.mla.mla_absorbed_weights``), so that decode queries arrive rotated and
+        the rotated-domain output goes straight to W_UV. Latent sizes that pad (not a power of two) keep vLLM's
+        weights and rotate per step. Called by MLAAttention.process_weights_after_loading (patch 0011), each time it
+        remakes them."""
+        layout = mla_paged_layout(self.fmt_name, 16, self.kv_lora_rank, self.qk_rope_head_dim)
+        try:
+            folded = mla_absorbed_weights(layout, w_uk_t, w_uv)
+        except ValueError as e:
+            logger.info_once("TurboQuant MLA: the latent's rotation runs per decode step (%s)", e)
+            self.rotation_folded = False
+            return w_uk_t, w_uv
+        self.rotation_folded = True
+        return folded
 
     def layout_for(self, kv_cache: torch.Tensor) -> MLAPagedLayout:
         """Page layout of this layer's cache, from its (host-known) shape."""
@@ -360,6 +389,7 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
             self.scale,
             max_seq_len=attn_metadata.max_seq_len,
             num_splits=num_splits,
+            rotated=self.rotation_folded,
         )
 
     def _gather_context_chunk(

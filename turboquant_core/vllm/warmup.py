@@ -56,7 +56,7 @@ def warmup_tq_attention(model_runner) -> None:
             if group.backend is TQMLABackend:
                 impl = ctx[group.layer_names[0]].impl
                 launches += group.get_metadata_builder().warmup_kernels(
-                    kv_cache, dtype, impl.num_heads, impl.scale
+                    kv_cache, dtype, impl.num_heads, impl.scale, impl.rotation_folded
                 )
                 continue
             kept = _keep_center_sums(group, ctx, kv_cache.shape[0], kv_cache.device)
