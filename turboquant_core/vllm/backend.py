@@ -79,21 +79,45 @@ if is_flash_attn_varlen_func_available():
 logger = init_logger(f"vllm.{__name__}")
 
 
-def _check_tq_dtype(cache_dtype_str: str) -> None:
+def check_tq_dtype(cache_dtype_str: str, backend: str = "TURBOQUANT") -> None:
     if cache_dtype_str not in KV_FORMATS:
         raise ValueError(
-            f"the TURBOQUANT attention backend serves turboquant_* KV-cache dtypes "
+            f"the {backend} attention backend serves turboquant_* KV-cache dtypes "
             f"only, got {cache_dtype_str!r}; valid: {', '.join(KV_FORMATS)}"
         )
 
 
-class TQAttentionBackend(AttentionBackend):
-    """Attention over a TurboQuant-compressed paged KV cache."""
-
-    forward_includes_kv_cache_update: bool = False
+class TQBackendTraits:
+    """What every TurboQuant attention backend (TURBOQUANT, TURBOQUANT_MLA) takes: the
+    turboquant_* cache dtypes and nothing else, fp16 / bf16 models, whole pages of 16 to
+    128 tokens, Ampere and later; no KV connectors. Listed before vLLM's backend class."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_FORMATS)  # type: ignore[assignment]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [16, 32, 64, 128]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
+        return kv_cache_dtype is not None and kv_cache_dtype in KV_FORMATS
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # KV connectors assume vLLM's own page layouts; not validated with ours.
+        return False
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # Tensor-core tl.dot in the kernels and FlashAttention for prefill.
+        return capability >= DeviceCapability(8, 0)
+
+
+class TQAttentionBackend(TQBackendTraits, AttentionBackend):
+    """Attention over a TurboQuant-compressed paged KV cache."""
+
+    forward_includes_kv_cache_update: bool = False
 
     @staticmethod
     def get_name() -> str:
@@ -117,7 +141,7 @@ class TQAttentionBackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         """(num_blocks, num_kv_heads, head_page_bytes), uint8."""
-        _check_tq_dtype(cache_dtype_str)
+        check_tq_dtype(cache_dtype_str)
         layout = paged_layout(cache_dtype_str, head_size, block_size)
         if layout.padding_bytes():
             # The KV-cache spec prices a page as block_size * bytes_per_token;
@@ -131,17 +155,9 @@ class TQAttentionBackend(AttentionBackend):
             num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
         )
 
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
-        return [16, 32, 64, 128]
-
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(ATTENTION_HEAD_DIMS)
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
-        return kv_cache_dtype is not None and kv_cache_dtype in KV_FORMATS
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -150,16 +166,6 @@ class TQAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        # KV connectors assume vLLM's own page layouts; not validated with ours.
-        return False
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # Tensor-core tl.dot in the kernels and FlashAttention for prefill.
-        return capability >= DeviceCapability(8, 0)
 
 
 @dataclass
@@ -282,7 +288,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
         self.cache_dtype = vllm_config.cache_config.cache_dtype
-        _check_tq_dtype(self.cache_dtype)
+        check_tq_dtype(self.cache_dtype)
         self.layout: PagedTQLayout = paged_layout(
             self.cache_dtype, kv_cache_spec.head_size, kv_cache_spec.block_size
         )
@@ -610,7 +616,7 @@ class TQAttentionImpl(AttentionImpl[TQAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **extra_impl_args,
     ) -> None:
-        _check_tq_dtype(kv_cache_dtype)
+        check_tq_dtype(kv_cache_dtype)
         if head_size not in ATTENTION_HEAD_DIMS:
             raise ValueError(
                 f"TurboQuant attention supports head sizes {ATTENTION_HEAD_DIMS}, "

@@ -27,7 +27,6 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
-from vllm.config.cache import CacheDType
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
@@ -36,12 +35,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadata,
     MLACommonMetadataBuilder,
 )
-from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVQuantMode
 
 from ..config import TQConfig
-from ..formats import KV_FORMATS
 from ..ops.mla import (
     MLA_MAX_SPLITS,
     mla_absorbed_weights,
@@ -51,6 +48,7 @@ from ..ops.mla import (
     mla_store,
 )
 from ..ops.mla_layout import MLAPagedLayout, mla_kv_cache_shape, mla_paged_layout
+from .backend import TQBackendTraits, check_tq_dtype
 from .spec import TQMLAAttentionSpec
 
 # Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
@@ -59,14 +57,6 @@ logger = init_logger(f"vllm.{__name__}")
 # head_size (kv_lora_rank + rope_dim) -> (kv_lora_rank, rope_dim) of the MLA layers built in this process. vLLM shapes
 # a cache from its head size alone (get_kv_cache_shape), which does not tell the two parts apart; the layers know.
 _MLA_DIMS: dict[int, tuple[int, int]] = {576: (512, 64)}  # DeepSeek V2/V3, Kimi K2: known without a layer
-
-
-def _check_tq_dtype(cache_dtype_str: str) -> None:
-    if cache_dtype_str not in KV_FORMATS:
-        raise ValueError(
-            f"the TURBOQUANT_MLA attention backend serves turboquant_* KV-cache dtypes only, got "
-            f"{cache_dtype_str!r}; valid: {', '.join(KV_FORMATS)}"
-        )
 
 
 def register_mla_dims(kv_lora_rank: int, rope_dim: int) -> None:
@@ -94,7 +84,7 @@ def mla_dims(head_size: int) -> tuple[int, int]:
 def tq_mla_kv_cache_spec(layer, vllm_config: VllmConfig) -> TQMLAAttentionSpec:
     """The KV-cache spec of vLLM MLA layer ``layer`` (``MLAAttention``) with a ``turboquant_*`` cache dtype: one page
     is ``MLAPagedLayout.page_bytes`` for the block size."""
-    _check_tq_dtype(layer.kv_cache_dtype)
+    check_tq_dtype(layer.kv_cache_dtype, "TURBOQUANT_MLA")
     register_mla_dims(layer.kv_lora_rank, layer.qk_rope_head_dim)
     return TQMLAAttentionSpec(
         block_size=vllm_config.cache_config.block_size,
@@ -107,11 +97,8 @@ def tq_mla_kv_cache_spec(layer, vllm_config: VllmConfig) -> TQMLAAttentionSpec:
     )
 
 
-class TQMLABackend(MLACommonBackend):
+class TQMLABackend(TQBackendTraits, MLACommonBackend):
     """MLA attention over a TurboQuant-compressed paged latent cache."""
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_FORMATS)  # type: ignore[assignment]
 
     @staticmethod
     def get_name() -> str:
@@ -135,7 +122,7 @@ class TQMLABackend(MLACommonBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         """(num_blocks, page_bytes), uint8."""
-        _check_tq_dtype(cache_dtype_str)
+        check_tq_dtype(cache_dtype_str, "TURBOQUANT_MLA")
         layout = mla_paged_layout(cache_dtype_str, block_size, *mla_dims(head_size))
         if layout.padding_bytes():
             # The spec prices a page as MLAPagedLayout.page_bytes of its own block size; a kernel block of another
@@ -150,23 +137,6 @@ class TQMLABackend(MLACommonBackend):
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         return (0, 1, 2) if include_num_layers_dimension else (0, 1)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
-        return [16, 32, 64, 128]
-
-    @classmethod
-    def supports_kv_cache_dtype(cls, kv_cache_dtype: CacheDType | None) -> bool:
-        return kv_cache_dtype is not None and kv_cache_dtype in KV_FORMATS
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        # KV connectors assume vLLM's own page layouts; not validated with ours.
-        return False
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # Tensor-core tl.dot in the kernels; FlashAttention-class MLA prefill.
-        return capability >= DeviceCapability(8, 0)
 
 
 @dataclass
@@ -284,7 +254,7 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # MLA specific arguments
         **mla_args,
     ) -> None:
-        _check_tq_dtype(kv_cache_dtype)
+        check_tq_dtype(kv_cache_dtype, "TURBOQUANT_MLA")
         if mla_args.get("indexer") is not None:
             raise NotImplementedError("TurboQuant MLA caches do not support sparse (indexer) MLA")
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
