@@ -2,7 +2,7 @@
 """An MLA model served end to end with TurboQuant latent caches (GPU, slow): the DeepSeek-V2-Lite shape
 (benchmarks/configs/deepseek-v2-lite: 27 layers, kv_lora_rank 512, qk_rope_head_dim 64, MoE) with dummy weights,
 vLLM's TURBOQUANT_MLA backend, CUDA graphs on, a fixed 2 GiB KV pool, chunked prefill (prompts longer than a step)
-and prefix-cache hits (every prompt again).
+and prefix-cache hits (every prompt again); and preemption with recompute in a pool too small for all requests.
 
 Each configuration runs in its own process (one engine per process frees the GPU reliably); this file doubles as that
 process's entry point. Needs a CUDA device; the model needs no download (load_format="dummy", token-id prompts).
@@ -38,11 +38,16 @@ def _generate(config: dict) -> dict:
 
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in PROMPT_LENS]
+    extra = {}
+    if config.get("num_gpu_blocks"):  # a pool too small for every request at once: the scheduler preempts
+        extra = dict(num_gpu_blocks_override=config["num_gpu_blocks"], block_size=16)
+    else:
+        extra = dict(kv_cache_memory_bytes=POOL_BYTES)
     llm = LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=config["kv_cache_dtype"],
-              max_model_len=4096, max_num_batched_tokens=1024, enable_prefix_caching=True, seed=0,
-              enforce_eager=config.get("enforce_eager", False), kv_cache_memory_bytes=POOL_BYTES,
-              gpu_memory_utilization=0.9)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+              max_model_len=4096, max_num_batched_tokens=1024, enable_prefix_caching=config.get("prefix_caching", True),
+              seed=0, enforce_eager=config.get("enforce_eager", False), gpu_memory_utilization=0.9, **extra)
+    max_tokens = config.get("max_tokens", MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
     def run():
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -51,10 +56,13 @@ def _generate(config: dict) -> dict:
         return tokens, logprobs
 
     tokens, logprobs = run()
-    tokens_again, logprobs_again = run()
+    tokens_again, logprobs_again = run() if config.get("repeat", True) else (None, None)
     cache = llm.llm_engine.vllm_config.cache_config
+    from vllm.v1.metrics.reader import Counter
+
+    preemptions = sum(m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name == "vllm:num_preemptions")
     return dict(tokens=tokens, logprobs=logprobs, tokens_again=tokens_again, logprobs_again=logprobs_again,
-                num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size)
+                num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, preemptions=preemptions)
 
 
 def run_config(tmp_path: Path, **config) -> tuple[dict, str]:
@@ -107,6 +115,23 @@ def test_mla_model_serves_from_turboquant_latent_pages(bf16, tmp_path, dtype):
     agree = [_agreeing_prefix(a, b) for a, b in zip(got["tokens"], ref["tokens"])]
     print(f"{dtype}: tokens agreeing with bf16 per prompt (of {MAX_TOKENS}): {agree}; "
           f"KV tokens {have} vs bf16 {bf16_tokens} ({have / bf16_tokens:.2f}x)")
+
+
+
+def test_preemption_recomputes_into_new_latent_pages(tmp_path):
+    """A pool too small for the eight requests at once (prompts + 64 tokens each): running requests are preempted,
+    their pages freed, and recomputed later into other pages. Greedy tokens agree with a run that has room for all:
+    the store is deterministic, so recomputed pages hold the same bytes."""
+    need = sum(-(-(n + 64) // 16) for n in PROMPT_LENS)
+    common = dict(kv_cache_dtype="turboquant_k3v4_nc", max_tokens=64, prefix_caching=False, repeat=False,
+                  enforce_eager=True)
+    roomy, _ = run_config(tmp_path, **common)
+    tight, _ = run_config(tmp_path, num_gpu_blocks=max(4096 // 16 + 1, int(0.55 * need)), **common)
+    assert roomy["preemptions"] == 0 and tight["preemptions"] > 0, (roomy["preemptions"], tight["preemptions"])
+    agree = sum(_agreeing_prefix(a, b) >= 48 for a, b in zip(tight["tokens"], roomy["tokens"]))
+    assert agree >= len(PROMPT_LENS) - 1, [_agreeing_prefix(a, b) for a, b in zip(tight["tokens"], roomy["tokens"])]
+    for lps in tight["logprobs"]:
+        assert all(math.isfinite(v) for v in lps)
 
 
 if __name__ == "__main__":
