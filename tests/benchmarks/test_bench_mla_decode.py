@@ -27,7 +27,7 @@ def test_the_timed_batch_is_a_real_one():
     from turboquant_core.ops.mla_layout import mla_tables
 
     t = mla_tables(lay, "cpu")
-    rows = t.attn_rows * t.codec.rot_scale
+    rows = t.attn_rows
     q_plain = q.float() @ rows  # the queries the rotated ones came from (rows is orthogonal)
     ref, ref_lse = mla_decode_attention_ref(q_plain, q_pe.float(), cache, lay, bt, sl, 0.1)
     got = out.float() @ rows  # back from the rotated domain

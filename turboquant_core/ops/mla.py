@@ -120,7 +120,7 @@ def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
     the rotated-domain output into the value heads directly. Needs kv_lora_rank to be its own padded size (a power of
     two: 512, 256), as vLLM's W_UV product reads kv_lora_rank columns."""
     t = mla_tables(layout, w_uk_t.device)
-    rows = t.attn_rows * t.codec.rot_scale  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
+    rows = t.attn_rows  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
     lr = layout.kv_lora_rank
     if rows.shape[0] != lr:
         raise ValueError(f"kv_lora_rank {lr} pads to {rows.shape[0]} rotated coordinates; the rotation cannot be "
@@ -161,7 +161,7 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
         q_rot = ql_nope
     else:
         # Rotate the absorbed queries once per head, into kernel order.
-        q_rot = ql_nope.float() @ (rows.T * c.rot_scale)
+        q_rot = ql_nope.float() @ rows.T
     if q_rot.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("ql_nope and q_pe need a contiguous last dim")
     if num_splits is None:
@@ -192,8 +192,8 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     )
     if rotated:
         return out_rot, lse.t()
-    # Back from the rotated domain, once per head: out = R^T y (the kernel-order rows, +-1 times rot_scale).
-    out = (out_rot @ rows) * c.rot_scale
+    # Back from the rotated domain, once per head: out = R^T y.
+    out = out_rot @ rows
     return out.to(ql_nope.dtype), lse.t()
 
 
@@ -235,7 +235,7 @@ def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.T
         BN=MLA_GATHER_ROWS, num_warps=4,
     )
     # Back from the rotated domain for all rows at once (as mla_decode_attention's output): R^T y.
-    dst[:num_tokens, :lr] = ((y @ t.attn_rows) * t.codec.rot_scale).to(dst.dtype)
+    dst[:num_tokens, :lr] = (y @ t.attn_rows).to(dst.dtype)
     return dst
 
 

@@ -156,7 +156,9 @@ class MLATables:
     attn_rot_hi: torch.Tensor  # [rows, dim_pad] fp16, kernel order
     attn_rot_lo: torch.Tensor
     order: torch.Tensor  # [rows] long: rotated coordinate of each kernel-order position (-1: padding)
-    attn_rows: torch.Tensor  # [rows, kv_lora_rank] fp32: hi + lo, the rows that rotate queries in and outputs out
+    # [rows, kv_lora_rank] fp32: (hi + lo) * rot_scale, the orthogonal rotation in kernel order: y_rot = attn_rows @ y
+    # rotates queries in, y = attn_rows^T @ y_rot outputs out
+    attn_rows: torch.Tensor
     cent_f16: tuple[torch.Tensor, torch.Tensor]  # codebooks of segment 0 / 1 as fp16 (attention's lookups)
 
     def segment_constexprs(self, fp8: bool) -> dict:
@@ -173,7 +175,7 @@ def _tables(fmt: MLAFormat, device: str) -> MLATables:
     t = codec_tables(fmt.kv_lora_rank, latent.kernel_bits, fmt.seed, device)
     hi, lo = kernel_order_rotation(fmt.kv_lora_rank, latent.kernel_bits, fmt.seed, device, fp8=latent.is_fp8)
     order = kernel_coordinate_order(t, fp8=latent.is_fp8).to(device)
-    rows = (hi.float() + lo.float())[:, : fmt.kv_lora_rank].contiguous()
+    rows = ((hi.float() + lo.float())[:, : fmt.kv_lora_rank] * t.rot_scale).contiguous()
     cents = (t.centroids[0].half().contiguous(), t.centroids[-1].half().contiguous())
     return MLATables(t, hi, lo, order, rows, cents)
 

@@ -39,6 +39,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 from vllm.v1.kv_cache_interface import KVQuantMode
 
 from ..config import TQConfig
+from ..formats import mla_format
 from ..ops.mla import (
     MLA_MAX_SPLITS,
     mla_absorbed_weights,
@@ -56,27 +57,28 @@ logger = init_logger(f"vllm.{__name__}")
 
 # head_size (kv_lora_rank + rope_dim) -> (kv_lora_rank, rope_dim) of the MLA layers built in this process. vLLM shapes
 # a cache from its head size alone (get_kv_cache_shape), which does not tell the two parts apart; the layers know.
-_MLA_DIMS: dict[int, tuple[int, int]] = {576: (512, 64)}  # DeepSeek V2/V3, Kimi K2: known without a layer
+_MLA_DIMS: dict[int, tuple[int, int]] = {}
+_MLA_DIMS_WITHOUT_A_LAYER = {576: (512, 64)}  # DeepSeek V2/V3, Kimi K2
 
 
 def register_mla_dims(kv_lora_rank: int, rope_dim: int) -> None:
     """Record the (kv_lora_rank, rope_dim) split of an MLA layer's head size for ``mla_dims``."""
     head_size = kv_lora_rank + rope_dim
-    known = _MLA_DIMS.get(head_size)
-    if known is not None and known != (kv_lora_rank, rope_dim) and head_size != 576:
+    known = _MLA_DIMS.setdefault(head_size, (kv_lora_rank, rope_dim))
+    if known != (kv_lora_rank, rope_dim):
         raise ValueError(
             f"two MLA layer shapes with head size {head_size}: {known} and {(kv_lora_rank, rope_dim)}"
         )
-    _MLA_DIMS[head_size] = (kv_lora_rank, rope_dim)
 
 
 def mla_dims(head_size: int) -> tuple[int, int]:
     """(kv_lora_rank, rope_dim) of the MLA layers whose cache head size is ``head_size``."""
-    found = _MLA_DIMS.get(head_size)
+    found = _MLA_DIMS.get(head_size, _MLA_DIMS_WITHOUT_A_LAYER.get(head_size))
     if found is None:
+        known = sorted({**_MLA_DIMS_WITHOUT_A_LAYER, **_MLA_DIMS})
         raise ValueError(
             f"no TurboQuant MLA layer with head size {head_size} was built; known head sizes: "
-            f"{', '.join(map(str, sorted(_MLA_DIMS)))}"
+            f"{', '.join(map(str, known))}"
         )
     return found
 
@@ -278,7 +280,7 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 "--tq-prefill-from-cache is not supported on MLA layers (they prefill through vLLM's MLA prefill path)"
             )
         register_mla_dims(self.kv_lora_rank, self.qk_rope_head_dim)
-        self.fmt_name = kv_cache_dtype
+        self.fmt = mla_format(kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
         # The queries are rotated into the latent's domain in float32 by our launcher;
         # nothing is quantized to fp8 on the way in.
         self.supports_quant_query_input = False
@@ -292,7 +294,7 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
         the rotated-domain output goes straight to W_UV. Latent sizes that pad (not a power of two) keep vLLM's
         weights and rotate per step. Called by MLAAttention.process_weights_after_loading (patch 0011), each time it
         remakes them."""
-        layout = mla_paged_layout(self.fmt_name, 16, self.kv_lora_rank, self.qk_rope_head_dim)
+        layout = mla_paged_layout(self.fmt, 16)  # (the rotation does not depend on the block size)
         try:
             folded = mla_absorbed_weights(layout, w_uk_t, w_uv)
         except ValueError as e:
@@ -307,14 +309,11 @@ class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
         page_bytes = kv_cache.shape[-1]
         layout = self._layouts.get(page_bytes)
         if layout is None:
-            probe = mla_paged_layout(self.fmt_name, 16, self.kv_lora_rank, self.qk_rope_head_dim)
-            layout = mla_paged_layout(
-                self.fmt_name, page_bytes // probe.fmt.bytes_per_token(), self.kv_lora_rank, self.qk_rope_head_dim
-            )
+            per_token = self.fmt.bytes_per_token()
+            layout = mla_paged_layout(self.fmt, page_bytes // per_token)
             if layout.page_bytes != page_bytes:
                 raise ValueError(
-                    f"MLA cache rows of {page_bytes} bytes are no {self.fmt_name} page "
-                    f"({probe.fmt.bytes_per_token()} B per token)"
+                    f"MLA cache rows of {page_bytes} bytes are no {self.fmt.name} page ({per_token} B per token)"
                 )
             self._layouts[page_bytes] = layout
         return layout
