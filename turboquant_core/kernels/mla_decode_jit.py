@@ -22,13 +22,12 @@ from .codebook_lookup_jit import _codebook_registers, _dequant_words, _load_word
 
 
 @triton.jit
-def _mla_tile(start, hi, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, C0, C1,
-              cb0, cb1, L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-              BLOCK_N: tl.constexpr, LATENT_FP8: tl.constexpr, G0: tl.constexpr, GP0: tl.constexpr,
-              B0: tl.constexpr, G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr, IDX_OFF: tl.constexpr,
-              ROPE_OFF: tl.constexpr, SC_OFF: tl.constexpr, IDX_ROW: tl.constexpr):
-    """One tile of BLOCK_N cached tokens: every global load first (their latencies overlap), then the scores,
-    the online-softmax update and the rotated-domain accumulation."""
+def _mla_load(start, hi, CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, L: tl.constexpr, L_PAD: tl.constexpr,
+              R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LATENT_FP8: tl.constexpr, G0: tl.constexpr,
+              GP0: tl.constexpr, B0: tl.constexpr, G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+              IDX_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SC_OFF: tl.constexpr, IDX_ROW: tl.constexpr):
+    """Global loads of one tile of BLOCK_N cached tokens from ``start`` (none past ``hi``): (token mask, segment 0's
+    words (fp8 latents: the bytes), segment 1's words, the fp16 scales, k_pe as fp16)."""
     t = start + tl.arange(0, BLOCK_N)
     tmask = t < hi
     page = tl.load(bt_row + t // PAGE, mask=tmask, other=0).to(tl.int64)
@@ -37,7 +36,9 @@ def _mla_tile(start, hi, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACH
     row = base + IDX_OFF + off * IDX_ROW
     if LATENT_FP8:
         i = tl.arange(0, L_PAD)
-        lb = tl.load(CACHE + row[:, None] + i[None, :], mask=tmask[:, None] & (i < L)[None, :], other=0)
+        w0 = tl.load(CACHE + row[:, None] + i[None, :], mask=tmask[:, None] & (i < L)[None, :], other=0)
+        w1 = w0
+        a = tl.zeros((BLOCK_N,), tl.float32)
     else:
         w0 = _load_words(CACHE, row, tmask, 0, G0, GP0, B0)
         if G1 > 0:
@@ -48,9 +49,17 @@ def _mla_tile(start, hi, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACH
     r = tl.arange(0, R)
     kpe = tl.load(CACHE_BF16 + ((base + ROPE_OFF) // 2 + off * R)[:, None] + r[None, :], mask=tmask[:, None],
                   other=0.0).to(tl.float16)
+    return tmask, w0, w1, a, kpe
 
+
+@triton.jit
+def _mla_tile(tmask, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1, BLOCK_N: tl.constexpr,
+              LATENT_FP8: tl.constexpr, GP0: tl.constexpr, B0: tl.constexpr, G1: tl.constexpr, GP1: tl.constexpr,
+              B1: tl.constexpr):
+    """One loaded tile (``_mla_load``): the scores, the online-softmax update and the rotated-domain
+    accumulation."""
     if LATENT_FP8:
-        c0 = lb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c0 = w0.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         c1 = c0
         s = tl.dot(q0, tl.trans(c0))
     else:
@@ -138,19 +147,29 @@ def tq_mla_decode_kernel(
     else:
         acc1 = acc0
     bt_row = BLOCK_TABLE + req.to(tl.int64) * stride_bt
+    # The next tile's loads are issued before this tile's arithmetic, so that their latency overlaps it (loads past
+    # ``hi`` are masked off).
+    tm, w0, w1, a, kpe = _mla_load(lo, hi, CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, L, L_PAD, R, PAGE, BLOCK_N,
+                                   LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
     if WHILE_LOOP:
         # The interpreter cannot take run-time bounds in range() (its scalars are 1-element arrays).
         start = lo
         while start < hi:
-            m_i, l_i, acc0, acc1 = _mla_tile(start, hi, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16,
-                                             bt_row, stride_cb, C0, C1, cb0, cb1, L, L_PAD, R, PAGE, BLOCK_N,
-                                             LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
+            tm_n, w0_n, w1_n, a_n, kpe_n = _mla_load(start + BLOCK_N, hi, CACHE, CACHE16, CACHE_BF16, bt_row,
+                                                     stride_cb, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0,
+                                                     G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
+            m_i, l_i, acc0, acc1 = _mla_tile(tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1,
+                                             BLOCK_N, LATENT_FP8, GP0, B0, G1, GP1, B1)
+            tm, w0, w1, a, kpe = tm_n, w0_n, w1_n, a_n, kpe_n
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc0, acc1 = _mla_tile(start, hi, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16,
-                                             bt_row, stride_cb, C0, C1, cb0, cb1, L, L_PAD, R, PAGE, BLOCK_N,
-                                             LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
+            tm_n, w0_n, w1_n, a_n, kpe_n = _mla_load(start + BLOCK_N, hi, CACHE, CACHE16, CACHE_BF16, bt_row,
+                                                     stride_cb, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0,
+                                                     G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
+            m_i, l_i, acc0, acc1 = _mla_tile(tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1,
+                                             BLOCK_N, LATENT_FP8, GP0, B0, G1, GP1, B1)
+            tm, w0, w1, a, kpe = tm_n, w0_n, w1_n, a_n, kpe_n
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -75,10 +76,22 @@ def mla_store(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_
     )
 
 
-# Decode: heads per program (the MMA's rows: 16 is its smallest height), tokens per tile, warps, and splits.
-MLA_DECODE_HEADS = 16
-MLA_DECODE_TOKENS = 32
-MLA_DECODE_WARPS = 8
+
+
+@dataclass(frozen=True)
+class MLADecodeLaunch:
+    """Launch shape of the Triton decode kernel: heads per program (the MMA's rows: 16 is its smallest height), tokens
+    per tile, warps and Triton's pipeline stages (the kernel loads a tile ahead itself; Triton's own pipelining only
+    adds shared memory). The default is the fastest of ``benchmarks/bench_mla_decode.py --launch`` on an H100."""
+
+    heads: int = 16
+    tokens: int = 32
+    warps: int = 4
+    stages: int = 1
+
+
+MLA_DECODE_LAUNCH = MLADecodeLaunch()
+MLA_DECODE_HEADS = MLA_DECODE_LAUNCH.heads
 MLA_MIN_TOKENS_PER_SPLIT = 256
 MLA_MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
@@ -134,7 +147,8 @@ def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
 def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, layout: MLAPagedLayout,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, *,
                          max_seq_len: int | None = None, num_splits: int | None = None,
-                         rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         rotated: bool = False, launch: MLADecodeLaunch | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention with the absorbed query over TurboQuant MLA pages: ql_nope [B, H, kv_lora_rank] (W_UK
     applied), q_pe [B, H, rope_dim], request b reading its first seq_lens[b] tokens through block_table[b] ->
     (out [B, H, kv_lora_rank] in ql_nope's dtype, the latent output before W_UV; lse [B, H] fp32, natural log,
@@ -144,8 +158,9 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     and ``out`` is left there for its W_UV; no rotation product runs here.
 
     ``max_seq_len`` (a host int, as vLLM's metadata has it) sizes the splits; without it the seq_lens are read
-    (a host synchronization). ``num_splits`` overrides the split count."""
+    (a host synchronization). ``num_splits`` overrides the split count, ``launch`` the kernel's launch shape."""
     _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout)
+    cfg = launch or MLA_DECODE_LAUNCH
     u8, f16, bf16 = mla_cache_views(cache, layout)
     b, h, lr = ql_nope.shape
     dev = ql_nope.device
@@ -177,13 +192,14 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     seg = t.segment_constexprs(layout.latent_is_fp8)
     seg.pop("EXACT_ROT")
     lc = layout.kernel_constexprs()
-    tq_mla_decode_kernel[(b, triton.cdiv(h, MLA_DECODE_HEADS), num_splits)](
+    tq_mla_decode_kernel[(b, triton.cdiv(h, cfg.heads), num_splits)](
         q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
         u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens, *t.cent_f16,
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
         h, num_splits, qk_scale, qk_scale, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"],
         IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
-        BLOCK_H=MLA_DECODE_HEADS, BLOCK_N=MLA_DECODE_TOKENS, WHILE_LOOP=_interpreting(), num_warps=MLA_DECODE_WARPS,
+        BLOCK_H=cfg.heads, BLOCK_N=cfg.tokens, WHILE_LOOP=_interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     tq_merge_splits_kernel[(b, h)](
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
