@@ -16,7 +16,6 @@ over the time; the copy bandwidth is a 1 GiB device-to-device copy, read + write
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import sys
@@ -27,7 +26,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_paged_attention import time_ms  # noqa: E402
-from turboquant_core.ops.mla import MLA_DECODE_LAUNCH, MLADecodeLaunch, mla_decode_attention, mla_decode_splits, mla_store  # noqa: E402
+from turboquant_core.ops import mla as mla_ops  # noqa: E402
+from turboquant_core.ops.mla import (  # noqa: E402
+    MLA_DECODE_LAUNCH,
+    MLADecodeLaunch,
+    mla_decode_attention,
+    mla_decode_splits,
+    mla_mma_applies,
+    mla_store,
+)
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout  # noqa: E402
 
 LR, R, PAGE = 512, 64, 16
@@ -70,16 +77,30 @@ def copy_gbps(device: str) -> float:
     return 2 * x.numel() / (ms * 1e-3) / 1e9
 
 
-def parse_launch(text: str) -> MLADecodeLaunch:
+def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | None:
+    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``mma:WARPS:DEPTH``: the register-tile kernel with
+    WARPS warps loading DEPTH tiles ahead; HEADS,TOKENS,WARPS,STAGES: the Triton kernel."""
+    if text == "auto":
+        return None
+    if text.startswith("mma:"):
+        warps, depth = (int(x) for x in text[4:].split(":"))
+        return warps, depth
     try:
         h, t, w, st = (int(x) for x in text.split(","))
         return MLADecodeLaunch(h, t, w, st)
     except ValueError:
-        raise SystemExit(f"bad launch {text!r}: expected HEADS,TOKENS,WARPS,STAGES, e.g. 16,32,4,1") from None
+        raise SystemExit(f"bad launch {text!r}: expected auto or HEADS,TOKENS,WARPS,STAGES, e.g. 16,32,4,1") from None
+
+
+def _kernel_name(layout, device: str, launch: MLADecodeLaunch | None) -> str:
+    if launch is None and mla_mma_applies(layout, device):
+        return f"register-tile {mla_ops.MLA_MMA_WARPS} warps, {mla_ops.MLA_MMA_DEPTH} ahead"
+    la = launch or MLA_DECODE_LAUNCH
+    return f"triton {la.heads},{la.tokens},{la.warps},{la.stages}"
 
 
 def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, device: str,
-             copy: float, launches: list[MLADecodeLaunch]) -> list[dict]:
+             copy: float, launches: list[MLADecodeLaunch | None]) -> list[dict]:
     b = build(fmt, batch, context, heads, device)
     lay, cache, bt, sl, q, q_pe = b["layout"], b["cache"], b["block_table"], b["seq_lens"], b["q"], b["q_pe"]
     scale = (128 + R) ** -0.5
@@ -90,13 +111,18 @@ def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, 
     slots = (bt[:, -1].long() * PAGE + PAGE - 1).contiguous()  # one token per request, as a decode step stores
     store_ms = time_ms(lambda: mla_store(kv_c, k_pe, cache, slots, lay), graph=True)
     rows = []
+    shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH
     for s, launch in [(s, la) for la in launches for s in sorted(set(splits) | {heuristic})]:
+        mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH = launch if isinstance(launch, tuple) else shipped
+        if isinstance(launch, tuple):
+            launch = None
         ms = time_ms(lambda s=s, la=launch: mla_decode_attention(q, q_pe, cache, lay, bt, sl, scale, num_splits=s,
                                                                  rotated=True, launch=la), graph=True)
         gbps = page_bytes / (ms * 1e-3) / 1e9
         row = dict(format=fmt, heads=heads, batch=batch, context=context, splits=s, heuristic=s == heuristic,
-                   launch=dataclasses.asdict(launch),
-                   programs=batch * -(-heads // launch.heads) * s, attention_us=1e3 * ms, page_bytes=page_bytes,
+                   kernel=_kernel_name(lay, device, launch),
+                   programs=batch * -(-heads // (launch.heads if launch else 16)) * s, attention_us=1e3 * ms,
+                   page_bytes=page_bytes,
                    gb_per_s=gbps, copy_share=gbps / copy, store_us=1e3 * store_ms)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -109,8 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["turboquant_k3v4_nc", "turboquant_4bit_nc"])
     ap.add_argument("--heads", nargs="+", type=int, default=[16], help="query heads (DeepSeek-V2-Lite 16, V3 128)")
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
-    ap.add_argument("--launch", nargs="+", type=parse_launch, default=[MLA_DECODE_LAUNCH],
-                    help="Triton decode launch shapes HEADS,TOKENS,WARPS,STAGES (default: the shipped one)")
+    ap.add_argument("--launch", nargs="+", type=parse_launch, default=[None],
+                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH (the register-tile kernel) or "
+                    "Triton launch shapes HEADS,TOKENS,WARPS,STAGES")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases]
     if not torch.cuda.is_available():
@@ -126,12 +153,12 @@ def main(argv=None) -> int:
         triton=triton.__version__, copy_gb_per_s=copy,
         command="python benchmarks/bench_mla_decode.py " + " ".join(argv or sys.argv[1:]), rows=rows), indent=1))
     print(f"copy bandwidth {copy:.0f} GB/s")
-    print("| format | heads | batch x context | launch | splits | programs | attention us | GB/s | % of copy | store us |")
+    print("| format | heads | batch x context | kernel | splits | programs | attention us | GB/s | % of copy | "
+          "store us |")
     print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mark = " (heuristic)" if r["heuristic"] else ""
-        la = ",".join(str(int(v)) for v in r["launch"].values())
-        print(f"| {r['format']} | {r['heads']} | {r['batch']} x {r['context']} | {la} | {r['splits']}{mark} | "
+        print(f"| {r['format']} | {r['heads']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']}{mark} | "
               f"{r['programs']} | {r['attention_us']:.1f} | {r['gb_per_s']:.0f} | {100 * r['copy_share']:.1f} | "
               f"{r['store_us']:.1f} |")
     return 0

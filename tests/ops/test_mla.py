@@ -254,6 +254,7 @@ from tests.ops import sm90_probe
 
 sm90_probe.install_printer()
 
+from turboquant_core.ops import mla as mla_ops
 from turboquant_core.ops.mla import (
     mla_absorbed_weights,
     mla_decode_attention,
@@ -269,9 +270,16 @@ for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc",
     cache = allocate_mla_cache(4, lay)
     for dtype in (torch.bfloat16, torch.float16):
         mla_store(torch.randn(5, 512, dtype=dtype), torch.randn(5, 64, dtype=dtype), cache, torch.arange(5), lay)
-    mla_decode_attention(torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16),
-                         cache, lay, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
-                         0.1, num_splits=2)
+    mla_store(torch.randn(300, 512, dtype=torch.bfloat16), torch.randn(300, 64, dtype=torch.bfloat16), cache,
+              torch.arange(300) % 256, lay)
+    args = (torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16), cache, lay,
+            torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32), 0.1)
+    mla_ops._gluon_runs = lambda device: False
+    mla_decode_attention(*args, num_splits=2)
+    mla_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel where it applies
+    if mla_ops.mla_mma_applies(lay, "cuda"):
+        mla_decode_attention(*args, num_splits=2)
+    mla_ops._gluon_runs = lambda device: False
     mla_gather_dequant(cache, lay, torch.empty(30, 576, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32),
                        torch.tensor([0, 10, 30], dtype=torch.int32), torch.zeros(30, dtype=torch.int32), 30,
                        seq_starts=torch.zeros(2, dtype=torch.int32))
@@ -280,14 +288,20 @@ for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc",
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills():
-    """The store (every latent encoding, bf16 and fp16 inputs), the decode attention with its split merge and the
-    gather (every latent encoding) compile for sm_90, the register codebook lookups the interpreter cannot run
-    included, with no register spills."""
+    """The store (every latent encoding, bf16 and fp16 inputs, a decode step's narrow chunks and a prefill's wide
+    ones), the decode attention with its split merge (the Triton kernel, and the register-tile kernel for the one-
+    segment codebook latents) and the gather (every latent encoding) compile for sm_90, the register codebook lookups
+    the interpreter cannot run included, with no register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
-    want = (["tq_mla_store_kernel"] * 2
-            + ["tq_mla_decode_kernel", "tq_merge_splits_kernel", "tq_mla_gather_kernel"]) * 6
+    store = ["tq_mla_store_kernel", "tq_mla_store_finish_kernel"] * 3
+    decode = ["tq_mla_decode_kernel", "tq_merge_splits_kernel"]
+    mma = ["tq_mla_decode_mma_kernel", "tq_merge_splits_kernel"]
+    gather = ["tq_mla_gather_kernel"]
+    # 2bit, k3v4 and 4bit latents are one codebook segment: the register-tile kernel serves them.
+    one_segment = (True, False, True, False, True, False)
+    want = [k for one in one_segment for k in store + decode + (mma if one else []) + gather]
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
 

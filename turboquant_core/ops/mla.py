@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -27,14 +28,16 @@ import torch
 import triton
 
 from ..kernels.mla_decode_jit import tq_mla_decode_kernel
+from ..kernels.mla_decode_mma_jit import tq_mla_decode_mma_kernel
 from ..kernels.mla_gather_jit import tq_mla_gather_kernel
-from ..kernels.mla_store_jit import tq_mla_store_kernel
+from ..kernels.mla_store_jit import tq_mla_store_finish_kernel, tq_mla_store_kernel
 from ..kernels.paged_attention_jit import tq_merge_splits_kernel
 from .mla_layout import MLAPagedLayout, mla_cache_views, mla_tables
+from .paged_decode import _gluon_runs, codebook_permute_words, decode_key_order
 
 MLA_GATHER_ROWS = 16  # tokens per gather program
-MLA_STORE_ROWS = 16  # tokens per store program: decode batches have few tokens, so more and shorter programs
-MLA_STORE_WARPS = 4
+MLA_STORE_FEW_TOKENS = 256  # up to this many tokens the store runs narrow column chunks of 16-token programs
+MLA_STORE_FINISH_ROWS = 64  # tokens per program of the scale and k_pe pass
 
 
 def _check_store_inputs(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
@@ -55,11 +58,19 @@ def _check_store_inputs(kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: to
         raise ValueError(f"slot_mapping must be 1-D with >= {kv_c.shape[0]} entries, got {tuple(slot_mapping.shape)}")
 
 
+def mla_store_chunk_groups(num_tokens: int) -> tuple[int, int]:
+    """(groups per column chunk, tokens per program) of the store: a decode step's few tokens get narrow chunks
+    (more programs), a prefill's many tokens wide ones (fewer re-reads of the rotation)."""
+    few = num_tokens <= MLA_STORE_FEW_TOKENS
+    return (8 if few else 16), (16 if few else 64)
+
+
 def mla_store(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
               layout: MLAPagedLayout) -> None:
     """Write kv_c [T, kv_lora_rank] and k_pe [T, rope_dim] (fp16 / bf16 / fp32) into ``cache`` (uint8
     [num_blocks, page_bytes]) at ``slot_mapping`` [>= T] (int32 or int64; < 0: skipped). The cache comes from
-    ``mla_layout.allocate_mla_cache(num_blocks, layout, device)`` (or any view of that shape and layout)."""
+    ``mla_layout.allocate_mla_cache(num_blocks, layout, device)`` (or any view of that shape and layout). Two
+    launches (the latent's column chunks, then the scales and k_pe), no host synchronization."""
     _check_store_inputs(kv_c, k_pe, slot_mapping, layout)
     u8, f16, bf16 = mla_cache_views(cache, layout)
     num_tokens = kv_c.shape[0]
@@ -68,15 +79,25 @@ def mla_store(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_
     t = mla_tables(layout, kv_c.device)
     c = t.codec
     lev0, bnd0, lev1, bnd1 = c.encode_tables()
-    const = {**layout.kernel_constexprs(), **t.segment_constexprs(layout.latent_is_fp8)}
-    tq_mla_store_kernel[(triton.cdiv(num_tokens, MLA_STORE_ROWS), 2)](
-        kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), slot_mapping, u8, f16, bf16, u8.stride(0),
-        c.rot_hi, c.rot_lo, c.rot_bf16, lev0, bnd0, lev1, bnd1, num_tokens, c.rot_scale,
-        math.sqrt(layout.kv_lora_rank), BN=MLA_STORE_ROWS, num_warps=MLA_STORE_WARPS, **const,
+    seg = t.segment_constexprs(layout.latent_is_fp8)
+    lc = layout.kernel_constexprs()
+    gw, bn = mla_store_chunk_groups(num_tokens)
+    chunks = (seg["GP0"] + (seg["GP1"] if seg["G1"] else 0)) // gw
+    sums = torch.empty(num_tokens, chunks + 1, dtype=torch.float32, device=kv_c.device)
+    tq_mla_store_kernel[(triton.cdiv(num_tokens, bn), chunks)](
+        kv_c, kv_c.stride(0), slot_mapping, u8, u8.stride(0), c.rot_hi, c.rot_lo, c.rot_bf16, lev0, bnd0, lev1, bnd1,
+        sums, sums.stride(0), num_tokens, c.rot_scale, math.sqrt(layout.kv_lora_rank),
+        L=lc["L"], L_PAD=seg["L_PAD"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"], G0=seg["G0"], GP0=seg["GP0"],
+        B0=seg["B0"], G1=seg["G1"], GP1=seg["GP1"], B1=seg["B1"], EXACT_ROT=seg["EXACT_ROT"], IDX_OFF=lc["IDX_OFF"],
+        IDX_ROW=lc["IDX_ROW"], GW=gw, BN=bn, num_warps=4 if bn <= 16 else 8,
     )
-
-
-
+    tq_mla_store_finish_kernel[(triton.cdiv(num_tokens, MLA_STORE_FINISH_ROWS),)](
+        k_pe, k_pe.stride(0), slot_mapping, f16, bf16, u8.stride(0), sums, sums.stride(0), num_tokens,
+        math.sqrt(layout.kv_lora_rank), R=lc["R"], PAGE=lc["PAGE"], CHUNKS=chunks,
+        CHUNKS_PAD=triton.next_power_of_2(chunks), HAS_SCALE=not layout.latent_is_fp8,
+        NORM_CORRECTION=lc["NORM_CORRECTION"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"],
+        BN=MLA_STORE_FINISH_ROWS, num_warps=4,
+    )
 
 @dataclass(frozen=True)
 class MLADecodeLaunch:
@@ -93,6 +114,60 @@ class MLADecodeLaunch:
 MLA_DECODE_LAUNCH = MLADecodeLaunch()
 MLA_DECODE_HEADS = MLA_DECODE_LAUNCH.heads
 MLA_MIN_TOKENS_PER_SPLIT = 256
+MLA_MMA_WARPS = 4  # warps of the register-tile kernel, each holding DP / 4 latent coordinates
+MLA_MMA_BLOCK_N = 16
+MLA_MMA_DEPTH = 2  # tiles whose loads the register-tile kernel has in flight ahead of its arithmetic
+
+
+def mla_mma_applies(layout: MLAPagedLayout, device) -> bool:
+    """Whether decode runs the register-tile kernel (``mla_decode_mma_jit``): one 2- to 4-bit codebook segment of a
+    power-of-two latent of 256 or more coordinates, a 64-wide rope key, pages of a multiple of 16 tokens whose
+    sizes keep 4-byte plane loads aligned, on a CUDA GPU of sm_80 or later. Otherwise the Triton kernel runs."""
+    lat = layout.fmt.latent
+    lr = layout.kv_lora_rank
+    return (lat.has_codebook and not lat.is_fp8 and lat.kernel_bits in (2, 3, 4) and lr >= 64 * MLA_MMA_WARPS
+            and lr & (lr - 1) == 0 and layout.rope_dim == 64
+            and layout.block_size % MLA_MMA_BLOCK_N == 0 and layout.page_bytes % 4 == 0
+            and layout.index_offset % 4 == 0 and _gluon_runs(str(torch.device(device))))
+
+
+@functools.lru_cache(maxsize=8)
+def mla_mma_order(dp: int, warps: int) -> torch.Tensor:
+    """The register-tile kernel's coordinate order, of its query operand and of its output alike (the value tile is
+    the key tile transposed in registers): the rotated latent coordinate at each position. Warp w holds positions
+    w*DW.. (DW = dp / warps), groups w*DW/8.., in ``paged_decode.decode_key_order`` over its DW coordinates;
+    coordinate j*G + g of the latent's G = dp / 8 groups."""
+    dw, g_all = dp // warps, dp // 8
+    gw = dw // 8
+    local = decode_key_order(dw)
+    return torch.cat([(local // gw) * g_all + w * gw + local % gw for w in range(warps)])
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rotation(layout: MLAPagedLayout, device: str, mma: bool, warps: int) -> torch.Tensor:
+    t = mla_tables(layout, device)
+    if not mma:
+        return t.attn_rows
+    natural = torch.zeros_like(t.attn_rows)  # [L_PAD, L], row c: rotated coordinate c
+    keep = t.order >= 0
+    natural[t.order[keep].to(natural.device)] = t.attn_rows[keep.to(natural.device)]
+    return natural[mla_mma_order(t.codec.dim_pad, warps).to(natural.device)].contiguous()
+
+
+def mla_decode_rotation(layout: MLAPagedLayout, device, mma: bool | None = None) -> torch.Tensor:
+    """[L_PAD, kv_lora_rank] fp32: the latent's orthogonal rotation in the coordinate order of the decode kernel on
+    ``device``, the order it takes its queries in (q_rot = rows @ q) and leaves its output in (out = rows^T @ y):
+    ``MLATables.attn_rows``' for the Triton kernel, ``mla_mma_order`` for the register-tile kernel. ``mma`` names
+    the kernel (default: the one ``mla_decode_attention`` runs there, ``mla_mma_applies``)."""
+    dev = str(torch.device(device))
+    return _decode_rotation(layout, dev, mla_mma_applies(layout, dev) if mma is None else mma, MLA_MMA_WARPS)
+
+
+@functools.lru_cache(maxsize=64)
+def _permute_words(layout: MLAPagedLayout, device: str) -> tuple[int, ...]:
+    return codebook_permute_words(mla_tables(layout, device).cent_f16[0])
+
+
 MLA_MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 
@@ -129,11 +204,11 @@ def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
                          w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's absorbed MLA weights W_UK_T [H, qk_nope, kv_lora_rank] and W_UV [H, kv_lora_rank, v_head] with the
     latent's rotation folded in (products in float32, results in the inputs' dtypes): queries made with the first
-    are already rotated into the kernel's order (``mla_decode_attention(..., rotated=True)``), and the second turns
-    the rotated-domain output into the value heads directly. Needs kv_lora_rank to be its own padded size (a power of
+    are already rotated into the order the decode kernel on the weights' device takes (``mla_decode_rotation``;
+    ``mla_decode_attention(..., rotated=True)``), and the second turns its rotated-domain output into the value heads
+    directly. Needs kv_lora_rank to be its own padded size (a power of
     two: 512, 256), as vLLM's W_UV product reads kv_lora_rank columns."""
-    t = mla_tables(layout, w_uk_t.device)
-    rows = t.attn_rows  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
+    rows = mla_decode_rotation(layout, w_uk_t.device)  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
     lr = layout.kv_lora_rank
     if rows.shape[0] != lr:
         raise ValueError(f"kv_lora_rank {lr} pads to {rows.shape[0]} rotated coordinates; the rotation cannot be "
@@ -142,6 +217,21 @@ def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
         raise ValueError(f"W_UK_T [H, P, {lr}] and W_UV [H, {lr}, V] expected, got {tuple(w_uk_t.shape)} and "
                          f"{tuple(w_uv.shape)}")
     return (w_uk_t.float() @ rows.T).to(w_uk_t.dtype), (rows @ w_uv.float()).to(w_uv.dtype)
+
+
+def _launch_triton_decode(q_rot, q_pe, u8, f16, bf16, block_table, seq_lens, part_o, part_l, h, num_splits, qk_scale,
+                          t, layout: MLAPagedLayout, cfg: MLADecodeLaunch) -> None:
+    seg = t.segment_constexprs(layout.latent_is_fp8)
+    seg.pop("EXACT_ROT")
+    lc = layout.kernel_constexprs()
+    tq_mla_decode_kernel[(q_rot.shape[0], triton.cdiv(h, cfg.heads), num_splits)](
+        q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+        u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens, *t.cent_f16,
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        h, num_splits, qk_scale, qk_scale, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"],
+        IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
+        BLOCK_H=cfg.heads, BLOCK_N=cfg.tokens, WHILE_LOOP=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
+    )
 
 
 def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, layout: MLAPagedLayout,
@@ -154,20 +244,23 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     (out [B, H, kv_lora_rank] in ql_nope's dtype, the latent output before W_UV; lse [B, H] fp32, natural log,
     -inf for a request with no token).
 
-    ``rotated``: ql_nope was made with ``mla_absorbed_weights``' W_UK_T (already in the rotated domain, kernel order),
-    and ``out`` is left there for its W_UV; no rotation product runs here.
+    ``rotated``: ql_nope was made with ``mla_absorbed_weights``' W_UK_T (already in the rotated domain, in the
+    decode kernel's order: ``mla_decode_rotation``), and ``out`` is left in that order for W_UV; no rotation
+    product runs here. The register-tile kernel (``mla_mma_applies``) runs where it can, the Triton kernel
+    otherwise.
 
     ``max_seq_len`` (a host int, as vLLM's metadata has it) sizes the splits; without it the seq_lens are read
-    (a host synchronization). ``num_splits`` overrides the split count, ``launch`` the kernel's launch shape."""
+    (a host synchronization). ``num_splits`` overrides the split count; ``launch`` runs the Triton kernel with that
+    launch shape (rotated queries then in its order: ``mla_decode_rotation(..., mma=False)``)."""
     _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout)
-    cfg = launch or MLA_DECODE_LAUNCH
     u8, f16, bf16 = mla_cache_views(cache, layout)
     b, h, lr = ql_nope.shape
     dev = ql_nope.device
     t = mla_tables(layout, dev)
     c = t.codec
     lp = c.dim_pad
-    rows = t.attn_rows  # [L_PAD kernel-order positions, L]
+    mma = launch is None and mla_mma_applies(layout, dev)
+    rows = mla_decode_rotation(layout, dev, mma)  # [L_PAD positions, L]
     # The kernel scales both query parts for the base-2 softmax as it loads them.
     qk_scale = softmax_scale * LOG2E
     if rotated:
@@ -175,7 +268,7 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
             raise ValueError(f"rotated queries need kv_lora_rank ({lr}) to be its own padded size ({lp})")
         q_rot = ql_nope
     else:
-        # Rotate the absorbed queries once per head, into kernel order.
+        # Rotate the absorbed queries once per head, into the kernel's query order.
         q_rot = ql_nope.float() @ rows.T
     if q_rot.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("ql_nope and q_pe need a contiguous last dim")
@@ -189,18 +282,23 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     lse = torch.empty(h, b, dtype=torch.float32, device=dev)
     if b == 0:
         return torch.empty(0, h, lr, dtype=ql_nope.dtype, device=dev), lse.t()
-    seg = t.segment_constexprs(layout.latent_is_fp8)
-    seg.pop("EXACT_ROT")
     lc = layout.kernel_constexprs()
-    tq_mla_decode_kernel[(b, triton.cdiv(h, cfg.heads), num_splits)](
-        q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-        u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens, *t.cent_f16,
-        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        h, num_splits, qk_scale, qk_scale, R=lc["R"], PAGE=lc["PAGE"], LATENT_FP8=lc["LATENT_FP8"],
-        IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], IDX_ROW=lc["IDX_ROW"], L=lc["L"], **seg,
-        BLOCK_H=cfg.heads, BLOCK_N=cfg.tokens, WHILE_LOOP=_interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+    if mma:
+        if u8.stride(0) % 4 or u8.data_ptr() % 4:
+            raise ValueError(f"the MLA decode kernel loads 4-byte planes: the cache's block stride ({u8.stride(0)}) "
+                             f"and address must be multiples of 4")
+        tq_mla_decode_mma_kernel[(b, triton.cdiv(h, 16), num_splits)](
+            q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
+            *_permute_words(layout, str(dev)),
+            part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+            h, num_splits, qk_scale, qk_scale, DP=lp, NW=MLA_MMA_WARPS, PAGE=lc["PAGE"],
+            B=int(layout.fmt.latent.kernel_bits), IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"],
+            DEPTH=MLA_MMA_DEPTH, num_warps=MLA_MMA_WARPS,
+        )
+    else:
+        _launch_triton_decode(q_rot, q_pe, u8, f16, bf16, block_table, seq_lens, part_o, part_l, h, num_splits,
+                              qk_scale, t, layout, launch or MLA_DECODE_LAUNCH)
     tq_merge_splits_kernel[(b, h)](
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
         out_rot, out_rot.stride(0), out_rot.stride(1), lse, lse.stride(0), num_splits,
@@ -255,5 +353,5 @@ def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.T
     return dst
 
 
-__all__ = ["MLA_GATHER_ROWS", "MLA_STORE_ROWS", "mla_decode_attention", "mla_decode_splits", "mla_gather_dequant",
-           "mla_store"]
+__all__ = ["MLA_GATHER_ROWS", "MLADecodeLaunch", "mla_absorbed_weights", "mla_decode_attention", "mla_decode_rotation",
+           "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies", "mla_mma_order", "mla_store"]

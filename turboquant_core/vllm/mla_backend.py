@@ -42,6 +42,7 @@ from ..config import TQConfig
 from ..formats import mla_format
 from ..ops.mla import (
     MLA_MAX_SPLITS,
+    MLA_STORE_FEW_TOKENS,
     mla_absorbed_weights,
     mla_decode_attention,
     mla_decode_splits,
@@ -218,6 +219,10 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         slots = torch.arange(tokens, dtype=torch.int64, device=dev)
         mla_store(torch.zeros(tokens, lr, dtype=dtype, device=dev), torch.zeros(tokens, r, dtype=dtype, device=dev),
                   kv_cache, slots, lay)
+        # The store's prefill shape (wide column chunks) too; every slot skipped, nothing written.
+        many = MLA_STORE_FEW_TOKENS + 1
+        mla_store(torch.zeros(many, lr, dtype=dtype, device=dev), torch.zeros(many, r, dtype=dtype, device=dev),
+                  kv_cache, torch.full((many,), -1, dtype=torch.int64, device=dev), lay)
         block_table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         seq_lens = torch.full((1,), tokens, dtype=torch.int32, device=dev)
         q = torch.zeros(1, num_heads, lr, dtype=dtype, device=dev)
@@ -235,7 +240,7 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         dst = torch.empty(tokens, lr + r, dtype=dtype, device=dev)
         starts = torch.zeros(1, dtype=torch.int32, device=dev)
         mla_gather_dequant(kv_cache, lay, dst, block_table, cu, to_seq, tokens, seq_starts=starts)
-        return launches + 2
+        return launches + 3
 
 
 class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):
