@@ -17,6 +17,16 @@ def test_cases_parse_and_bad_ones_are_refused_with_the_expected_form():
         bench_mla_decode.parse_case("1024:2")
 
 
+def test_launches_parse_and_bad_ones_are_refused_with_the_expected_form():
+    from turboquant_core.ops.mla import MLADecodeLaunch
+
+    assert bench_mla_decode.parse_launch("auto") is None
+    assert bench_mla_decode.parse_launch("mma:4:2") == (4, 2)
+    assert bench_mla_decode.parse_launch("16,32,4,1") == MLADecodeLaunch(16, 32, 4, 1)
+    with pytest.raises(SystemExit, match="expected auto"):
+        bench_mla_decode.parse_launch("16,32")
+
+
 def test_the_timed_batch_is_a_real_one():
     """The pages hold every request's tokens (the reference reads them through the block table), and the timed call
     (rotated queries, as the vLLM backend runs it) matches the reference, which takes unrotated ones."""

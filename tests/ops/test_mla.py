@@ -17,8 +17,10 @@ from turboquant_core.ops.codec import encode, unpack_segments
 from turboquant_core.ops.mla import (
     mla_absorbed_weights,
     mla_decode_attention,
+    mla_decode_rotation,
     mla_decode_splits,
     mla_gather_dequant,
+    mla_mma_order,
     mla_store,
 )
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_kv_cache_shape, mla_paged_layout
@@ -215,6 +217,26 @@ def test_store_other_input_types(dtype, device):
     k_pe = torch.randn(7, R, generator=torch.Generator().manual_seed(8)) * 3
     slots = torch.tensor([1, 63, 17, 40, 5, 22, 9], dtype=torch.int32)
     _check_store(kv_c.to(dtype) * 7, k_pe.to(dtype), slots, lay, device)
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_3p5bit_nc", "turboquant_k8v4"])
+def test_store_of_a_prefill_takes_wide_chunks_and_matches_reference(name, device):
+    """More tokens than a decode step stores (the wide column chunks of 64-token programs): the same bytes as the
+    reference, but for coordinates within rounding of a decision boundary."""
+    from turboquant_core.ops.mla import MLA_STORE_FEW_TOKENS, mla_store_chunk_groups
+
+    n = MLA_STORE_FEW_TOKENS + 44
+    assert mla_store_chunk_groups(n) != mla_store_chunk_groups(16)
+    lay = mla_paged_layout(name, BLOCK)
+    nb = -(-n // BLOCK) + 2
+    kv_c, k_pe = _latents(n, torch.Generator().manual_seed(41))
+    slots = torch.randperm(nb * BLOCK, generator=torch.Generator().manual_seed(42))[:n]
+    slots[[0, 200]] = -1
+    got = allocate_mla_cache(nb, lay, device)
+    want = got.cpu().clone()
+    mla_store(kv_c.to(device), k_pe.to(device), got, slots.to(device), lay)
+    mla_store_ref(kv_c, k_pe, want, slots, lay)
+    assert (got.cpu() != want).float().mean() < 1e-3
 
 
 def test_store_into_strided_cache(device):
@@ -422,11 +444,13 @@ def test_dense_reference_is_plain_mla_attention():
 
 
 @pytest.mark.parametrize("name,splits", [("turboquant_k3v4_nc", 1), ("turboquant_k3v4_nc", 3),
+                                         ("turboquant_4bit_nc", 2), ("turboquant_2bit_nc", 1),
                                          ("turboquant_3p5bit_nc", 2), ("turboquant_k8v4", 2)])
 def test_decode_attention_kernel_matches_reference(name, splits, device):
     """The split-KV kernel against the reference on the same pages: 20 heads (a full block of 16 and a partial
-    one), requests of 37, 5, 70 and 0 tokens over shuffled pages, bf16 queries. Differences: the queries and
-    values as fp16 tensor-core operands and the bf16 output (a few 1e-3)."""
+    one), requests of 37, 5, 70 and 0 tokens over shuffled pages, bf16 queries. On a GPU the one-segment codebook
+    latents (2, 3, 4 bits) run the register-tile kernel, the others the Triton kernel. Differences: the queries
+    and values as fp16 tensor-core operands and the bf16 output (a few 1e-3)."""
     lay, cache, bt, seq_lens, _, _, ql, q_pe = _paged_requests(name, [37, 5, 70, 0], heads=20, seed=13,
                                                                device=device)
     ql, q_pe = ql.to(torch.bfloat16), q_pe.to(torch.bfloat16)
@@ -470,6 +494,31 @@ def test_rotation_folded_into_the_absorbed_weights_gives_the_same_heads(name, de
     torch.testing.assert_close(lse_rot, lse, rtol=5e-3, atol=2e-2)
     with pytest.raises(ValueError, match="W_UK_T"):
         mla_absorbed_weights(lay, w_uk_t[..., :256], w_uv)
+
+
+def test_register_tile_order_gives_each_warp_its_own_groups():
+    """The register-tile kernel's order is a permutation of the 512 rotated coordinates in which warp w's 128
+    positions are exactly the 8 fields of groups 16w..16w+15 (coordinate j*64 + g), the bytes it loads."""
+    order = mla_mma_order(512, 4)
+    assert torch.equal(order.sort().values, torch.arange(512))
+    for w in range(4):
+        groups = order[128 * w : 128 * (w + 1)] % 64
+        assert sorted(set(groups.tolist())) == list(range(16 * w, 16 * w + 16))
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
+def test_decode_rotation_is_one_rotation_in_either_kernel_order(name):
+    """Both kernels' rotations are the latent's orthogonal rotation, rows reordered: the Triton kernel's order
+    (attention rows of the codec) and the register-tile kernel's differ by a permutation."""
+    lay = mla_paged_layout(name, BLOCK)
+    triton_rows = mla_decode_rotation(lay, "cpu", mma=False).double()
+    mma_rows = mla_decode_rotation(lay, "cpu", mma=True).double()
+    eye = torch.eye(L, dtype=torch.float64)
+    torch.testing.assert_close(mma_rows @ mma_rows.T, eye, rtol=0, atol=1e-5)
+    perm = mma_rows @ triton_rows.T
+    torch.testing.assert_close(perm.round(), perm, rtol=0, atol=1e-5)
+    assert torch.equal(perm.round().abs().sum(0), torch.ones(L, dtype=torch.float64))
+    assert not torch.equal(perm.round(), eye)
 
 
 def test_decode_attention_split_count_changes_little(device):
