@@ -45,7 +45,8 @@ def _generate(config: dict) -> dict:
         extra = dict(kv_cache_memory_bytes=POOL_BYTES)
     llm = LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=config["kv_cache_dtype"],
               max_model_len=4096, max_num_batched_tokens=1024, enable_prefix_caching=config.get("prefix_caching", True),
-              seed=0, enforce_eager=config.get("enforce_eager", False), gpu_memory_utilization=0.9, **extra)
+              seed=0, enforce_eager=config.get("enforce_eager", False), gpu_memory_utilization=0.9,
+              disable_log_stats=False, **extra)
     max_tokens = config.get("max_tokens", MAX_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
