@@ -532,6 +532,18 @@ def test_decode_attention_split_count_changes_little(device):
     assert mla_decode_splits(8, 16, 100_000, torch.device("cpu")) == 1
 
 
+def test_split_counts_fill_waves_of_two_programs_per_sm(monkeypatch):
+    """On a 132-SM GPU the split counts are the ones benchmarks/bench_mla_decode.py measured fastest (H100, 16
+    heads): 4 at 64 x 1024, 2 at 384 x 2048 (1 left a wave half full), 8 at 32 x 8192; one request takes as many
+    as its length allows."""
+    from turboquant_core.ops import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert [mla_decode_splits(b, 16, n, cuda) for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [4, 2, 8]
+    assert mla_decode_splits(1, 16, 8192, cuda) >= 31 and mla_decode_splits(2, 16, 100, cuda) == 1
+
+
 def test_decode_attention_rejects_bad_input(device):
     lay = mla_paged_layout("turboquant_k3v4_nc", BLOCK)
     cache = allocate_mla_cache(2, lay, device)

@@ -37,7 +37,8 @@ def _generate(config: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in PROMPT_LENS]
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]}
+               for n in config.get("prompt_lens", PROMPT_LENS)]
     extra = {}
     if config.get("num_gpu_blocks"):  # a pool too small for every request at once: the scheduler preempts
         extra = dict(num_gpu_blocks_override=config["num_gpu_blocks"], block_size=16)
@@ -120,21 +121,17 @@ def test_mla_model_serves_from_turboquant_latent_pages(bf16, tmp_path, dtype):
 
 
 def test_preemption_recomputes_into_new_latent_pages(tmp_path):
-    """A pool too small for the eight requests at once (prompts + 64 tokens each): running requests are preempted,
-    their pages freed, and recomputed later into other pages. Greedy tokens agree with a run that has room for all:
-    the store is deterministic, so recomputed pages hold the same bytes."""
-    need = sum(-(-(n + 64) // 16) for n in PROMPT_LENS)
-    common = dict(kv_cache_dtype="turboquant_k3v4_nc", max_tokens=64, prefix_caching=False, repeat=False,
-                  enforce_eager=True)
+    """A pool too small for the eight requests at once: eight 300-token prompts all start (152 blocks of 16), then
+    grow by 512 tokens each (408 blocks in all) in the smallest pool vLLM accepts for a 4096-token model (257
+    blocks), so running requests are preempted, their pages freed, and recomputed later into other pages. Greedy
+    tokens agree with a run that has room for all: the store is deterministic, so recomputed pages hold the same
+    bytes."""
+    common = dict(kv_cache_dtype="turboquant_k3v4_nc", prompt_lens=[300] * 8, max_tokens=512, prefix_caching=False,
+                  repeat=False, enforce_eager=True)
     roomy, _ = run_config(tmp_path, **common)
-    tight, _ = run_config(tmp_path, num_gpu_blocks=max(4096 // 16 + 1, int(0.55 * need)), **common)
+    tight, _ = run_config(tmp_path, num_gpu_blocks=4096 // 16 + 1, **common)
     assert roomy["preemptions"] == 0 and tight["preemptions"] > 0, (roomy["preemptions"], tight["preemptions"])
     agree = sum(_agreeing_prefix(a, b) >= 48 for a, b in zip(tight["tokens"], roomy["tokens"]))
-    assert agree >= len(PROMPT_LENS) - 1, [_agreeing_prefix(a, b) for a, b in zip(tight["tokens"], roomy["tokens"])]
+    assert agree >= 7, [_agreeing_prefix(a, b) for a, b in zip(tight["tokens"], roomy["tokens"])]
     for lps in tight["logprobs"]:
         assert all(math.isfinite(v) for v in lps)
-
-
-if __name__ == "__main__":
-    cfg, out_path = json.loads(sys.argv[1]), Path(sys.argv[2])
-    out_path.write_text(json.dumps(_generate(cfg)))

@@ -114,6 +114,8 @@ class MLADecodeLaunch:
 MLA_DECODE_LAUNCH = MLADecodeLaunch()
 MLA_DECODE_HEADS = MLA_DECODE_LAUNCH.heads
 MLA_MIN_TOKENS_PER_SPLIT = 256
+MLA_PROGRAMS_PER_SM = 2  # both decode kernels' register use leaves room for two programs per SM
+MLA_WAVE_FILL_SLACK = 0.05
 MLA_MMA_WARPS = 4  # warps of the register-tile kernel, each holding DP / 4 latent coordinates
 MLA_MMA_BLOCK_N = 16
 MLA_MMA_DEPTH = 2  # tiles whose loads the register-tile kernel has in flight ahead of its arithmetic
@@ -177,13 +179,23 @@ def _interpreting() -> bool:
 
 
 def mla_decode_splits(num_reqs: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """KV splits per request: enough programs to fill the device twice over, none shorter than
-    ``MLA_MIN_TOKENS_PER_SPLIT`` tokens, at most ``MLA_MAX_SPLITS`` (one on the CPU)."""
+    """KV splits per request: the fewest whose programs fill their waves (MLA_PROGRAMS_PER_SM per SM, what the
+    kernels' registers allow) within a share MLA_WAVE_FILL_SLACK of the best count, none shorter than
+    ``MLA_MIN_TOKENS_PER_SPLIT`` tokens, at most ``MLA_MAX_SPLITS`` (one on the CPU). A batch of one wave and a few
+    programs takes about two waves' time; these are the counts ``benchmarks/bench_mla_decode.py`` measured fastest."""
     if device.type != "cuda":
         return 1
-    programs = num_reqs * triton.cdiv(num_heads, MLA_DECODE_HEADS)
-    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count // max(programs, 1)
-    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), MLA_MIN_TOKENS_PER_SPLIT), MLA_MAX_SPLITS))
+    from .paged_attention import _sm_count
+
+    programs = max(num_reqs * triton.cdiv(num_heads, MLA_DECODE_HEADS), 1)
+    wave = MLA_PROGRAMS_PER_SM * _sm_count(str(device))
+    most = max(1, min(triton.cdiv(max(max_seq_len, 1), MLA_MIN_TOKENS_PER_SPLIT), MLA_MAX_SPLITS))
+
+    def fill(splits: int) -> float:
+        return programs * splits / (triton.cdiv(programs * splits, wave) * wave)
+
+    best = max(fill(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if fill(s) >= best * (1 - MLA_WAVE_FILL_SLACK))
 
 
 def _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout: MLAPagedLayout) -> None:
