@@ -5,19 +5,19 @@
 The MLA latent is both key and value, DP = 512 (kv_lora_rank) coordinates wide, read by every query head. The
 Triton kernel (``mla_decode_jit``) dequantizes a tile into a blocked layout that Triton moves into the MMA operand
 layouts through shared memory, and holds the [heads, DP] queries and outputs in a few warps' registers. Here, as in
-``paged_decode_jit`` (its layouts and lookups are reused), the packed words are loaded straight into the threads
+``paged_decode_jit`` (its key layout and lookups are reused), the packed words are loaded straight into the threads
 whose ``mma.sync`` fragments their fields fill, and the latent's DP coordinates are split over the NW warps of a
 program, DW = DP / NW each, with a leading warp dimension on every tile (batched MMAs, one batch per warp):
 - scores S^T[BN, NQ] = sum over warps of K_w[BN, DW] . Q'_w^T[DW, NQ] * a + Kpe_w[BN, 16] . Qpe_w^T[16, NQ]: each
-  warp multiplies its slice of the latent (K order: ``paged_decode_jit.key_word_layout`` per warp) and its 16 of
-  the 64 rope coordinates; the partial scores are summed across the warps (one shared-memory reduction per tile),
-  so every warp then holds the whole S^T and runs the same online softmax;
-- O_w^T[DW, NQ] += V_w^T[DW, BN] . P^T[BN, NQ]: each warp accumulates its slice of the latent output (V order,
-  ``paged_decode_jit.value_word_layout`` per warp) from the same words, loaded a second time in the V layout (an
-  L1 hit), and P^T from S^T's accumulator layout by one warp transpose per 8x8 block (``movmatrix``).
+  warp multiplies its slice of the latent (``paged_decode_jit.key_word_layout`` per warp) and, in the first four
+  warps, 16 of the 64 rope coordinates; the partial scores are summed across the warps (one shared-memory reduction
+  per tile), so every warp then holds the whole S^T and runs the same online softmax;
+- O_w^T[DW, NQ] += V_w^T[DW, BN] . P^T[BN, NQ]: V_w^T is K_w transposed in registers (each 8x8 block by one
+  ``movmatrix``, the blocks renamed), so the output leaves in the queries' order; P^T comes from S^T's accumulator
+  layout by one warp transpose per 8x8 block too.
 MMA columns are query heads (NQ = 16 per program, a request's heads in blocks of 16); a tile is BN = 16 tokens of
-one page, its loads issued a tile ahead. The queries come in K order and the outputs leave in V order
-(``ops.mla.mla_decode_orders``): vLLM's absorbed weights carry both orders (``ops.mla.mla_absorbed_weights``).
+one page, its loads issued DEPTH tiles ahead. Queries come in and outputs leave in ``ops.mla.mla_mma_order``; vLLM's
+absorbed weights carry that order (``ops.mla.mla_absorbed_weights``).
 """
 
 import triton  # noqa: F401  (Gluon kernels launch through Triton's runtime)

@@ -2,8 +2,9 @@
 """TurboQuant MLA cache ops (page layout: ``ops.mla_layout``; references: ``ops.mla_reference``).
 
 - ``mla_store(kv_c, k_pe, cache, slot_mapping, layout)``: vLLM's ``concat_and_cache_mla`` contract into
-  TurboQuant MLA pages: the latent rotated, quantized and packed, k_pe as bf16, slots < 0 skipped; one launch,
-  no host synchronization. Reference: ``mla_reference.mla_store_ref``.
+  TurboQuant MLA pages: the latent rotated, quantized and packed, k_pe as bf16, slots < 0 skipped; two launches
+  (the latent's column chunks, then scales and k_pe), no host synchronization. Reference:
+  ``mla_reference.mla_store_ref``.
 - ``mla_gather_dequant(cache, layout, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, seq_starts)``: cached
   tokens as dense [kv_c | k_pe] rows, vLLM's ``gather_and_maybe_dequant_cache`` contract (the prefill context of
   an MLA layer); the latent's codebook values gathered still rotated, then rotated back by one product. Reference:
@@ -12,7 +13,9 @@
   with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
   reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
   kernel and the merged output rotated back once per head after it; with ``rotated=True`` the caller's absorbed
-  weights do both (``mla_absorbed_weights``). Reference: ``mla_reference.mla_decode_attention_ref``.
+  weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the register-tile kernel
+  (``mla_decode_mma_jit``, ``mla_mma_applies``), the others the Triton kernel (``mla_decode_jit``); each has its
+  coordinate order (``mla_decode_rotation``). Reference: ``mla_reference.mla_decode_attention_ref``.
 - ``mla_absorbed_weights(layout, w_uk_t, w_uv)``: vLLM's absorbed MLA weights (W_UK_T, W_UV) with the latent's
   rotation folded in, so that decode attention needs no rotation product at all.
 """
