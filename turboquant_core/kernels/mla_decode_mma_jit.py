@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .paged_decode_jit import MOVMATRIX_TRANS, _fields, plane_dtype, plane_transpose_asm, plane_transpose_constraints
+from .paged_decode_jit import MOVMATRIX_TRANS, _fields, _load_planes, _planes_to_words
 
 
 @gluon.constexpr_function
@@ -41,46 +41,6 @@ def mla_key_word_layout(nw, dw, bn):
 
 
 @gluon.jit
-def _load_planes(ptr0, PLANE: gl.constexpr, B: gl.constexpr, GR: gl.constexpr):
-    """The B byte planes at ptr0 (bytes: plane k at ptr0 + k*PLANE), one integer of GR bytes per element."""
-    ptr = ptr0.to(gl.pointer_type(plane_dtype(GR)))
-    step: gl.constexpr = PLANE // GR
-    p0 = gl.load(ptr)
-    p1 = gl.load(ptr + step)
-    p2 = p0
-    p3 = p0
-    if B >= 3:
-        p2 = gl.load(ptr + 2 * step)
-    if B == 4:
-        p3 = gl.load(ptr + 3 * step)
-    return p0, p1, p2, p3
-
-
-@gluon.jit
-def _words(p0, p1, p2, p3, B: gl.constexpr, GR: gl.constexpr):
-    """Planes [NW, BN, L] -> words [NW, BN, L, GR] (word g = byte g of every plane; ``plane_transpose_asm``)."""
-    if B == 2:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32)]
-    elif B == 3:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32)]
-    else:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32), p3.to(gl.uint32)]
-    cons: gl.constexpr = plane_transpose_constraints(B, GR)
-    if GR == 1:
-        w0 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=gl.uint32, is_pure=True, pack=1)
-        return gl.expand_dims(w0, 3)
-    elif GR == 2:
-        w0, w1 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=(gl.uint32, gl.uint32),
-                                           is_pure=True, pack=1)
-        return gl.join(w0, w1)
-    else:
-        w0, w1, w2, w3 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args,
-                                                   dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-                                                   is_pure=True, pack=1)
-        return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [w0.shape[0], w0.shape[1], w0.shape[2], 4])
-
-
-@gluon.jit
 def _tile_loads(CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, start, lo, hi, last, koff, poff, pmask, ts,
                 PAGE: gl.constexpr, B: gl.constexpr, G: gl.constexpr, GR: gl.constexpr,
                 IDX_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, SC_OFF: gl.constexpr):
@@ -91,7 +51,7 @@ def _tile_loads(CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, start, lo, hi, la
     page = gl.where(lo < hi, page, 0)
     base = page * stride_cb
     row = start % PAGE
-    k0, k1, k2, k3 = _load_planes(CACHE + base + IDX_OFF + row * (B * G) + koff, G, B, GR)
+    k0, k1, k2, k3 = _load_planes(CACHE + base + IDX_OFF, row * (B * G), koff, G, B, GR)
     kpe = gl.load(CACHE_BF16 + (base + ROPE_OFF) // 2 + poff + row * 64, mask=pmask, other=0.0)
     sc = gl.load(CACHE16 + (base + SC_OFF) // 2 + row + ts, mask=start + ts < hi, other=0.0)
     return (k0, k1, k2, k3, kpe, sc)
@@ -202,7 +162,7 @@ def tq_mla_decode_mma_kernel(
         scf = sc.to(gl.float32)
 
         # scores: each warp's latent slice and rope slice, summed across the warps
-        kw = gl.convert_layout(_words(k0, k1, k2, k3, B, GR), kw_l, assert_trivial=True)
+        kw = gl.convert_layout(_planes_to_words(k0, k1, k2, k3, B, GR), kw_l, assert_trivial=True)
         kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, B)  # [NW, BN, 4, GR, 2, 2, 2]
         kt = gl.reshape(gl.permute(kf, [0, 1, 3, 6, 5, 2, 4]), [NW, BN, DW])
         kt = gl.convert_layout(kt, a_op, assert_trivial=True)

@@ -125,7 +125,7 @@ def _transpose_planes(args, B: gl.constexpr, GR: gl.constexpr):
     if GR == 1:
         w0 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=gl.uint32, is_pure=True,
                                        pack=1)
-        return gl.expand_dims(w0, 2)
+        return gl.expand_dims(w0, len(w0.shape))
     elif GR == 2:
         w0, w1 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args, dtype=(gl.uint32, gl.uint32),
                                            is_pure=True, pack=1)
@@ -134,12 +134,18 @@ def _transpose_planes(args, B: gl.constexpr, GR: gl.constexpr):
         w0, w1, w2, w3 = gl.inline_asm_elementwise(plane_transpose_asm(B, GR), cons, args,
                                                    dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
                                                    is_pure=True, pack=1)
-        return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [w0.shape[0], w0.shape[1], 4])
+        return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), _with_last(w0.shape, 4))
+
+
+@gluon.constexpr_function
+def _with_last(shape, n):
+    return list(shape) + [n]
 
 
 @gluon.jit
 def _planes_to_words(p0, p1, p2, p3, B: gl.constexpr, GR: gl.constexpr):
-    """Planes [BN, L] (``_load_planes``) -> words [BN, L, GR]: word g = byte g of every plane."""
+    """Planes [..., L] (``_load_planes``; any leading dims) -> words [..., L, GR]: word g = byte g of every
+    plane."""
     if B == 2:
         return _transpose_planes([p0.to(gl.uint32), p1.to(gl.uint32)], B, GR)
     elif B == 3:
