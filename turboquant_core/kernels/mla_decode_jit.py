@@ -89,6 +89,20 @@ def _mla_tile(tmask, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, 
     return m_new, l_i, acc0, acc1
 
 
+@triton.jit
+def _mla_step(start, hi, tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16, bt_row,
+              stride_cb, C0, C1, cb0, cb1, L: tl.constexpr, L_PAD: tl.constexpr, R: tl.constexpr,
+              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LATENT_FP8: tl.constexpr, G0: tl.constexpr,
+              GP0: tl.constexpr, B0: tl.constexpr, G1: tl.constexpr, GP1: tl.constexpr, B1: tl.constexpr,
+              IDX_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SC_OFF: tl.constexpr, IDX_ROW: tl.constexpr):
+    """The loop body: the next tile's loads issued, then the loaded tile (at ``start``) computed."""
+    nxt = _mla_load(start + BLOCK_N, hi, CACHE, CACHE16, CACHE_BF16, bt_row, stride_cb, L, L_PAD, R, PAGE, BLOCK_N,
+                    LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
+    m_i, l_i, acc0, acc1 = _mla_tile(tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1, BLOCK_N,
+                                     LATENT_FP8, GP0, B0, G1, GP1, B1)
+    return nxt[0], nxt[1], nxt[2], nxt[3], nxt[4], m_i, l_i, acc0, acc1
+
+
 # The block table is a row slice of vLLM's (its alignment follows the batch) and the split count follows the batch:
 # neither is specialized, so one variant serves every batch.
 @triton.jit(do_not_specialize=["num_splits", "BLOCK_TABLE", "stride_bt", "SEQ_LENS", "stride_pos", "stride_pls"])
@@ -155,21 +169,17 @@ def tq_mla_decode_kernel(
         # The interpreter cannot take run-time bounds in range() (its scalars are 1-element arrays).
         start = lo
         while start < hi:
-            tm_n, w0_n, w1_n, a_n, kpe_n = _mla_load(start + BLOCK_N, hi, CACHE, CACHE16, CACHE_BF16, bt_row,
-                                                     stride_cb, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0,
-                                                     G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
-            m_i, l_i, acc0, acc1 = _mla_tile(tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1,
-                                             BLOCK_N, LATENT_FP8, GP0, B0, G1, GP1, B1)
-            tm, w0, w1, a, kpe = tm_n, w0_n, w1_n, a_n, kpe_n
+            tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1 = _mla_step(
+                start, hi, tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16, bt_row,
+                stride_cb, C0, C1, cb0, cb1, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF,
+                ROPE_OFF, SC_OFF, IDX_ROW)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            tm_n, w0_n, w1_n, a_n, kpe_n = _mla_load(start + BLOCK_N, hi, CACHE, CACHE16, CACHE_BF16, bt_row,
-                                                     stride_cb, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0,
-                                                     G1, GP1, B1, IDX_OFF, ROPE_OFF, SC_OFF, IDX_ROW)
-            m_i, l_i, acc0, acc1 = _mla_tile(tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, C0, C1, cb0, cb1,
-                                             BLOCK_N, LATENT_FP8, GP0, B0, G1, GP1, B1)
-            tm, w0, w1, a, kpe = tm_n, w0_n, w1_n, a_n, kpe_n
+            tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1 = _mla_step(
+                start, hi, tm, w0, w1, a, kpe, m_i, l_i, acc0, acc1, q0, q1, qpe, CACHE, CACHE16, CACHE_BF16, bt_row,
+                stride_cb, C0, C1, cb0, cb1, L, L_PAD, R, PAGE, BLOCK_N, LATENT_FP8, G0, GP0, B0, G1, GP1, B1, IDX_OFF,
+                ROPE_OFF, SC_OFF, IDX_ROW)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .paged_decode_jit import MOVMATRIX_TRANS, _fields, _load_planes, _planes_to_words
+from .paged_decode_jit import MOVMATRIX_TRANS, _fields, _load_planes, _online_softmax_tile, _planes_to_words
 
 
 @gluon.constexpr_function
@@ -171,16 +171,9 @@ def tq_mla_decode_mma_kernel(
         s3 = mma_v2(kpe.to(gl.float16), qpe, s3)
         s = gl.sum(s3, axis=0)
         s = gl.where(((start + ts) < hi)[:, None] & head_ok[None, :], s, float("-inf"))
-        # Whole-number running maxima (scores are in the log2 domain), as in ``paged_decode_jit``: rescaling by exact
-        # powers of two, so a tile's probabilities do not depend on the split it falls in.
-        m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_acc = l_acc * alpha[None, :] + p
-        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+        m_i, p, alpha, l_acc, raised = _online_softmax_tile(s, m_i, l_acc)
+        if raised:
             acc = acc * gl.expand_dims(gl.expand_dims(alpha, 0), 0)
-        m_i = m_new
         # p * a <= 65504 (the scales are fp16 numbers), so the fp16 operand never overflows.
         pv = gl.expand_dims((p * scf[:, None]).to(gl.float16), 0) + gl.zeros([NW, BN, NQ], gl.float16, layout=mma)
         pt = gl.inline_asm_elementwise(MOVMATRIX_TRANS, "=r,r", [pv], dtype=gl.float16, is_pure=True, pack=2)

@@ -198,6 +198,22 @@ MOVMATRIX_TRANS = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
 
 @gluon.jit
+def _online_softmax_tile(s, m_i, l_acc):
+    """One tile's online-softmax step over scores S^T [BN, NQ] (log2 domain, -inf where masked), columns the
+    queries: (new running maxima, probabilities, the old sums' rescale factors, the per-thread partial sums
+    ``l_acc`` updated, whether some column's maximum rose). Running maxima are rounded up to whole numbers:
+    rescaling is then by exact powers of two, and a tile's fp16 probabilities (exp2 of s - m, s - m exact near the
+    maximum) come out the same whichever split the tile falls in. The split count follows the batch; this keeps a
+    sequence's output from following it (beyond fp32 rounding of the sums)."""
+    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    raised = gl.max((m_new > m_i).to(gl.int32), axis=0) > 0
+    return m_new, p, alpha, l_acc * alpha[None, :] + p, raised
+
+
+@gluon.jit
 def _transpose_8x8(x, NQ: gl.constexpr):
     """An fp16 tile [16, NQ] in the MMA accumulator layout -> the same values as the B operand [16, NQ] of the
     transposed 8x8 blocks' owners: each 8x8 block is transposed across the warp (movmatrix), then the indices
@@ -363,19 +379,10 @@ def tq_paged_decode_kernel(
             s = gl.where(tmask[:, None] & col_ok[None, :], s, float("-inf"))
         else:
             s = gl.where(tmask[:, None] & ((start + ts)[:, None] < lim[None, :]), s, float("-inf"))
-        # Running maxima are rounded up to whole numbers (scores are in the log2 domain): rescaling is then by
-        # exact powers of two, and a tile's fp16 probabilities (exp2 of s - m, s - m exact near the maximum)
-        # come out the same whichever split the tile falls in. The split count follows the batch; this keeps a
-        # sequence's output from following it (beyond fp32 rounding of the sums).
-        m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_acc = l_acc * alpha[None, :] + p
+        m_i, p, alpha, l_acc, raised = _online_softmax_tile(s, m_i, l_acc)
         # Rescale the accumulator only in tiles that raise some head's maximum (the first tiles, mostly).
-        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+        if raised:
             acc = acc * alpha[None, :]
-        m_i = m_new
         # p * v_scale <= 65504 (scales are stored as fp16), so fp16 operands never overflow.
         pt = _transpose_8x8((p * vsc.to(gl.float32)[:, None]).to(gl.float16), NQ)
         pt = gl.convert_layout(pt, b_op, assert_trivial=True)
