@@ -102,6 +102,7 @@ def mla_store(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_
         BN=MLA_STORE_FINISH_ROWS, num_warps=4,
     )
 
+
 @dataclass(frozen=True)
 class MLADecodeLaunch:
     """Launch shape of the Triton decode kernel: heads per program (the MMA's rows: 16 is its smallest height), tokens
@@ -221,8 +222,8 @@ def mla_absorbed_weights(layout: MLAPagedLayout, w_uk_t: torch.Tensor,
     latent's rotation folded in (products in float32, results in the inputs' dtypes): queries made with the first
     are already rotated into the order the decode kernel on the weights' device takes (``mla_decode_rotation``;
     ``mla_decode_attention(..., rotated=True)``), and the second turns its rotated-domain output into the value heads
-    directly. Needs kv_lora_rank to be its own padded size (a power of
-    two: 512, 256), as vLLM's W_UV product reads kv_lora_rank columns."""
+    directly. Needs kv_lora_rank to be its own padded size (a power of two: 512, 256), as vLLM's W_UV product reads
+    kv_lora_rank columns."""
     rows = mla_decode_rotation(layout, w_uk_t.device)  # [L_PAD, L]: y_rot = rows @ y, y = rows^T @ y_rot
     lr = layout.kv_lora_rank
     if rows.shape[0] != lr:
