@@ -69,11 +69,12 @@ def tq_mla_decode_mma_kernel(
     DP: gl.constexpr, NW: gl.constexpr, PAGE: gl.constexpr, B: gl.constexpr,
     IDX_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, SC_OFF: gl.constexpr, DEPTH: gl.constexpr,
 ):
-    """Grid (requests, cdiv(num_heads, 16), num_splits), NW warps each. Q [B, H, DP]: the absorbed queries in K
-    order, QPE [B, H, 64] the rope queries (any float dtype; times q_scale / pe_scale as they are loaded, the base-2
-    softmax scale); c0..c7: the codebook's byte-permute words (``ops.paged_decode.codebook_permute_words``). Writes
-    PART_O[split, request, head, :DP] (the split's normalized output, V order) and PART_L[split, request, head] (its
-    log2-sum-exp; -inf for a split with no token)."""
+    """Grid (requests, cdiv(num_heads, 16), num_splits), NW warps each. Q [B, H, DP]: the absorbed queries in the
+    kernel's order (``ops.mla.mla_mma_order``), QPE [B, H, 64] the rope queries (any float dtype; times q_scale /
+    pe_scale as they are loaded, the base-2 softmax scale); c0..c7: the codebook's byte-permute words
+    (``ops.paged_decode.codebook_permute_words``). Writes PART_O[split, request, head, :DP] (the split's normalized
+    output, in the same order) and PART_L[split, request, head] (its log2-sum-exp; -inf for a split with no
+    token)."""
     BN: gl.constexpr = 16
     NQ: gl.constexpr = 16
     RW: gl.constexpr = 16  # rope coordinates per warp (one MMA k-step): warps 0-3 hold k_pe, any others none
