@@ -496,6 +496,32 @@ def test_rotation_folded_into_the_absorbed_weights_gives_the_same_heads(name, de
         mla_absorbed_weights(lay, w_uk_t[..., :256], w_uv)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_3p5bit_nc"])
+def test_a_tensor_parallel_rank_decodes_its_heads_as_the_whole_layer_does(name, device):
+    """Tensor parallelism keeps the whole latent cache on every rank and gives each a share of the query heads (and
+    of W_UK_T / W_UV's heads). Each of two ranks holding 8 of 16 heads gets the outputs of those heads of the
+    single-GPU decode: the kernels' head rows are independent, and the folded weights are the same per head."""
+    lay, cache, bt, seq_lens, _, _, ql, q_pe = _paged_requests(name, [37, 5, 70], heads=16, seed=43, device=device)
+    # Queries as the folded weights make them (rotated), so that only the kernels are compared.
+    ql = (ql.float() @ mla_decode_rotation(lay, device).cpu().T).to(torch.bfloat16).to(device)
+    q_pe, sl = q_pe.to(torch.bfloat16).to(device), seq_lens.to(device)
+    out, lse = mla_decode_attention(ql, q_pe, cache, lay, bt, sl, SOFTMAX_SCALE, num_splits=2, rotated=True)
+    g = torch.Generator().manual_seed(44)
+    w_uk_t = (torch.randn(16, 32, L, generator=g) / 32 ** 0.5).to(torch.bfloat16).to(device)
+    w_uv = (torch.randn(16, L, 24, generator=g) / L ** 0.5).to(torch.bfloat16).to(device)
+    f_uk, f_uv = mla_absorbed_weights(lay, w_uk_t, w_uv)
+    for r in range(2):
+        heads = slice(8 * r, 8 * r + 8)
+        out_r, lse_r = mla_decode_attention(ql[:, heads].contiguous(), q_pe[:, heads].contiguous(), cache, lay, bt,
+                                            sl, SOFTMAX_SCALE, num_splits=2, rotated=True)
+        # Equal but for float rounding: the interpreter's products may sum a row in another order at another
+        # position of the head block (one bf16 step at most).
+        torch.testing.assert_close(out_r.float(), out[:, heads].float(), rtol=2**-7, atol=0)
+        torch.testing.assert_close(lse_r, lse[:, heads], rtol=0, atol=1e-5)
+        f_uk_r, f_uv_r = mla_absorbed_weights(lay, w_uk_t[heads], w_uv[heads])
+        assert torch.equal(f_uk_r, f_uk[heads]) and torch.equal(f_uv_r, f_uv[heads])
+
+
 def test_register_tile_order_gives_each_warp_its_own_groups():
     """The register-tile kernel's order is a permutation of the 512 rotated coordinates in which warp w's 128
     positions are exactly the 8 fields of groups 16w..16w+15 (coordinate j*64 + g), the bytes it loads."""

@@ -282,6 +282,40 @@ def test_decode_attention_matches_reference(name, d, group, window, splits, devi
     _check(out, lse, ref_out, ref_lse)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_3p5bit_nc", "turboquant_k8v4"])
+def test_a_tensor_parallel_rank_stores_and_attends_its_heads_as_the_whole_layer_does(name, device):
+    """Tensor parallelism gives each rank a contiguous share of the KV heads and their query heads. Nothing in a
+    head's pages or attention depends on its index among the layer's heads (the rotations and codebooks are the
+    layer's), so each of two ranks holding 2 of 4 KV heads stores the same bytes as those heads' rows of the
+    single-GPU cache and attends to the same outputs, bit for bit."""
+    hkv, group, d, seq_lens = 4, 2, 64, [1, 17, 40]
+    lay = paged_layout(name, d, BLOCK)
+    g = torch.Generator().manual_seed(23)
+    nb = 12
+    bt = torch.randperm(nb, generator=g)[:9].view(3, 3).to(torch.int32).to(device)
+    whole = torch.zeros(nb, hkv, lay.head_page_bytes, dtype=torch.uint8, device=device)
+    ranks = [torch.zeros(nb, hkv // 2, lay.head_page_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    for i, n in enumerate(seq_lens):
+        t = torch.arange(n, device=device)
+        slots = bt[i, t // BLOCK].long() * BLOCK + t % BLOCK
+        k = (torch.randn(n, hkv, d, generator=g) * 1.5).to(device, torch.bfloat16)
+        v = torch.randn(n, hkv, d, generator=g).to(device, torch.bfloat16)
+        tq_store(k, v, whole, slots, lay)
+        for r, cache in enumerate(ranks):
+            tq_store(k[:, 2 * r : 2 * r + 2].contiguous(), v[:, 2 * r : 2 * r + 2].contiguous(), cache, slots, lay)
+    qsl = torch.arange(4, dtype=torch.int32, device=device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(3, hkv * group, d, generator=g).to(device, torch.bfloat16)
+    out, lse = tq_paged_attention(q, whole, lay, bt, qsl, sl, max_query_len=1, max_seq_len=40, num_splits=2,
+                                  return_lse=True)
+    for r, cache in enumerate(ranks):
+        assert torch.equal(cache, whole[:, 2 * r : 2 * r + 2])
+        heads = slice(2 * r * group, (2 * r + 2) * group)
+        out_r, lse_r = tq_paged_attention(q[:, heads].contiguous(), cache, lay, bt, qsl, sl, max_query_len=1,
+                                          max_seq_len=40, num_splits=2, return_lse=True)
+        assert torch.equal(out_r, out[:, heads]) and torch.equal(lse_r, lse[heads])
+
+
 @pytest.mark.parametrize("name,group,window,splits", [
     ("turboquant_k3v4_nc", 3, None, 1),
     ("turboquant_k8v4", 4, 9, 2),
