@@ -399,6 +399,40 @@ def test_centred_decode_attention_matches_reference(name, d, group, neox, splits
     assert (plain_out.float() - ref_out.float()).abs().max() > 10 * OUT_ATOL
 
 
+def test_a_tensor_parallel_rank_centres_its_kv_heads_as_the_whole_layer_does(device):
+    """Tensor parallelism: each of two ranks holds 2 of the layer's 4 KV heads and their query heads. Key centering's
+    state is per (request, KV head) and its tables are the layer's, so a rank's centred pages, its sums and its
+    attention outputs are those heads' of the single-GPU layer, bit for bit, through chunked prefill and decode."""
+    import copy
+
+    group = 2
+    whole = _Batch("turboquant_k3v4_nc", 64, 4, SEQS, [], device)  # nothing stored yet: the caches' first bytes
+    parts = []
+    for r in range(2):
+        heads = slice(2 * r, 2 * r + 2)
+        part = copy.copy(whole)
+        part.cache = whole.cache[:, heads].clone()
+        part.k, part.v = [k[:, heads] for k in whole.k], [v[:, heads] for v in whole.v]
+        part.hkv = 2
+        part.sums = new_center_sums(len(SEQS), 2, whole.cent, device)
+        parts.append((heads, part))
+    for b in [whole] + [part for _, part in parts]:
+        done = [0] * len(SEQS)
+        for step in STEPS:
+            b.store_step(step, done)
+    sl = whole.seq_lens_t()
+    qsl = torch.arange(4, dtype=torch.int32, device=device)
+    q = (torch.randn(3, 4 * group, 64, generator=torch.Generator().manual_seed(5)) * 0.5).to(device, torch.bfloat16)
+    args = dict(max_query_len=1, max_seq_len=max(SEQS), num_splits=2, return_lse=True, centering=whole.cent)
+    out, lse = tq_paged_attention(q, whole.cache, whole.lay, whole.bt, qsl, sl, center_sums=whole.sums, **args)
+    for heads, part in parts:
+        assert torch.equal(part.cache, whole.cache[:, heads]) and torch.equal(part.sums, whole.sums[:, heads])
+        qh = slice(heads.start * group, heads.stop * group)
+        out_r, lse_r = tq_paged_attention(q[:, qh].contiguous(), part.cache, part.lay, part.bt, qsl, sl,
+                                          center_sums=part.sums, **args)
+        assert torch.equal(out_r, out[:, qh]) and torch.equal(lse_r, lse[qh])
+
+
 @pytest.mark.parametrize("name,d,group,ql,splits", [
     ("turboquant_k3v4_nc", 128, 4, 4, None),
     ("turboquant_4bit_nc", 64, 3, 4, 2),
