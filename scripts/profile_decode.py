@@ -63,6 +63,12 @@ one latent entry per token and layer: the format table's MLA entry, 2*576 bytes 
 new token's K and V (MLA: its latent) in bf16 and writes them in the cache dtype; GEMMs read every weight matrix but
 the input embedding once. Elsewhere no limit is given.
 
+Timeline (--timeline): instead of a decode window, every engine step of each scenario from its first prompt to its
+last token, timed to the end of its GPU work (torch.cuda.synchronize() after each step, so async scheduling's overlap
+is not in these times) with the tokens and requests it scheduled. The report sums the steps by kind: prefill steps
+(new prompts, chunks, re-prefills after a preemption; decode tokens may ride along), pure-decode steps and empty ones.
+It answers where a whole run's time goes when a steady decode step alone does not explain its throughput.
+
 Output in --out: profile.json (device, date, command, per config and scenario: running sequences, mean context,
 step ms, per family ms / share / ms per 100 sequences / limit, kernels per step, top 15 kernels), profile.md (per
 scenario, configs side by side), trace-<config>-<scenario>.json.gz (the Chrome trace of one profiled step, for
@@ -261,6 +267,22 @@ def is_pure_decode(num_scheduled_tokens: dict, num_new_reqs: int) -> bool:
 def steady(records: list[dict], warm: int) -> bool:
     """The last warm + 1 scheduler steps were all pure decode."""
     return len(records) > warm and all(r["pure"] for r in records[-(warm + 1):])
+
+
+def summarize_timeline(steps: list[dict]) -> dict:
+    """A scenario's engine steps (``ms``, ``tokens``, ``reqs``, ``pure``) by kind: prefill (some prefill token),
+    decode (pure decode) and idle (nothing scheduled): count, seconds and tokens each, the whole run's seconds, and
+    the mean pure-decode step in ms (None without one)."""
+    kinds = {"prefill": [x for x in steps if x["tokens"] and not x["pure"]],
+             "decode": [x for x in steps if x["tokens"] and x["pure"]],
+             "idle": [x for x in steps if not x["tokens"]]}
+    out = dict(steps=len(steps), total_s=sum(x["ms"] for x in steps) / 1e3)
+    for kind, xs in kinds.items():
+        out[f"{kind}_steps"] = len(xs)
+        out[f"{kind}_s"] = sum(x["ms"] for x in xs) / 1e3
+        out[f"{kind}_tokens"] = sum(x["tokens"] for x in xs)
+    out["decode_ms_mean"] = 1e3 * out["decode_s"] / out["decode_steps"] if out["decode_steps"] else None
+    return out
 
 
 def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int, mla: tuple[int, int] | None = None) -> int | None:
@@ -487,6 +509,42 @@ def render_markdown(doc: dict, baseline: str = "bf16") -> str:
 # ---------------------------------------------------------------------------------------------------- the worker
 
 
+def render_timeline(doc: dict, baseline: str = "bf16") -> str:
+    """profile.md of a --timeline run: per scenario, each config's whole run split into prefill, pure-decode and idle
+    steps (count, seconds, tokens), and its total against the baseline's."""
+    lines = ["# Whole scenarios, step by step", ""]
+    cfgs = doc.get("configs", [])
+    ok = next((c for c in cfgs if "device" in c), {})
+    lines.append(f"- Device: {ok.get('device', '?')}; vLLM {ok.get('vllm_version', '?')}, torch "
+                 f"{ok.get('torch_version', '?')}; {doc.get('date', '?')}")
+    lines.append(f"- Command: `{doc.get('command', '')}`")
+    lines.append("- Every engine step from the first prompt to the last token, timed to the end of its GPU work; "
+                 "prefill steps scheduled some prefill token (decode tokens may ride along), decode steps only one "
+                 "token per running request")
+    for c in cfgs:
+        if "error" in c:
+            lines.append(f"- {c['name']} ({c.get('kv_cache_dtype', '?')}): failed: {c['error'][-300:]}")
+    runs = [r for r in doc.get("runs", []) if "timeline" in r]
+    for label in doc.get("scenarios", []):
+        rs = [r for r in runs if r["scenario"] == label]
+        if not rs:
+            continue
+        base = next((r for r in rs if r["config"] == baseline), None)
+        lines += ["", f"## {label}", "",
+                  f"| config | total s | vs {baseline} | prefill steps | prefill s | prefill tokens | decode steps | "
+                  "decode s | decode step ms | idle steps |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        base_s = base["timeline"]["total_s"] if base else 0
+        for r in rs:
+            t = r["timeline"]
+            vs = f"{t['total_s'] / base_s:.2f}x" if base_s else "-"
+            note = "" if r.get("complete", True) else " (stopped before the last token)"
+            lines.append(f"| {r['config']}{note} | {t['total_s']:.2f} | {vs} | {t['prefill_steps']} | "
+                         f"{t['prefill_s']:.2f} | {t['prefill_tokens']} | {t['decode_steps']} | {t['decode_s']:.2f} | "
+                         f"{_fmt(t['decode_ms_mean'])} | {t['idle_steps']} |")
+    return "\n".join(lines)
+
+
 def _log(msg: str) -> None:
     print(f"[profile] {msg}", file=sys.stderr, flush=True)
 
@@ -652,6 +710,46 @@ def _profile_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args, 
     return out
 
 
+def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args, label: str) -> dict:
+    """Every engine step of one scenario, timed to the end of its GPU work: (ms, tokens, requests, pure decode) each,
+    and ``summarize_timeline`` of them. Stops after as many steps as _profile_scenario allows to reach steady decode
+    (the requests are then aborted and ``complete`` is False)."""
+    import random
+
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    n_in, n_out, batch = sc
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
+    sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
+    ids = llm.enqueue(prompts, sp, use_tqdm=False)
+    steps: list[dict] = []
+    complete = False
+    try:
+        torch.cuda.synchronize()
+        while engine.has_unfinished_requests() and len(steps) < 4 * n_out + 1000:
+            i0, t0 = len(rec.records), time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            recs = rec.records[i0:]
+            steps.append(dict(ms=1e3 * (time.perf_counter() - t0), tokens=sum(r["tokens"] for r in recs),
+                              reqs=max((r["reqs"] for r in recs), default=0), pure=all(r["pure"] for r in recs)))
+        complete = not engine.has_unfinished_requests()
+    finally:
+        if not complete:
+            engine.abort_request(ids, internal=True)
+            for _ in range(64):
+                if not sched.has_requests() and not getattr(core, "batch_queue", None):
+                    break
+                engine.step()
+    t = summarize_timeline(steps)
+    _log(f"{args.config_name} {label}: {t['steps']} steps, {t['total_s']:.2f} s: prefill {t['prefill_steps']} steps "
+         f"{t['prefill_s']:.2f} s, decode {t['decode_steps']} steps {t['decode_s']:.2f} s")
+    return dict(scenario=label, input_len=n_in, output_len=n_out, batch=batch, complete=complete, timeline=t,
+                steps=steps)
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside one subprocess: one in-process engine, every scenario; the result as JSON in --result-file."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: engine core in this process
@@ -698,7 +796,8 @@ def worker(args: argparse.Namespace) -> None:
     for sc in scenarios:
         label = scenario_label(sc)
         try:
-            result["runs"].append(_profile_scenario(llm, torch, sched, core, rec, sc, args, label))
+            run = _timeline_scenario if args.timeline else _profile_scenario
+            result["runs"].append(run(llm, torch, sched, core, rec, sc, args, label))
         except Exception as e:  # one scenario failing keeps the others
             import traceback
 
@@ -732,6 +831,8 @@ def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[di
         cmd += ["--trace-dir", str(out)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.timeline:
+        cmd.append("--timeline")
     if args.cupti_warmup:
         cmd.append("--cupti-warmup")
     _log(f"{name}: {install} vLLM, kv_cache_dtype={dtype}")
@@ -772,6 +873,9 @@ def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[di
     weights = raw.get("weights", {})
     runs = []
     for r in raw_runs:
+        if "timeline" in r or "error" in r and args.timeline:
+            runs.append(dict(config=name, install=install, kv_cache_dtype=dtype, **r))
+            continue
         r = finish_run(r, kv_cache_dtype=dtype, shape=raw["model_shape"],
                        gemm_weight_bytes=weights.get("gemm_weight_bytes"),
                        copy_bytes_per_s=raw["copy_bandwidth_gbs"] * 1e9)
@@ -816,6 +920,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cudagraph-sizes", default="", help="comma list of CUDA-graph capture sizes (default: vLLM's)")
     ap.add_argument("--cupti-warmup", action="store_true",
                     help="run torch.profiler._utils._init_for_cuda_graphs() before the engine captures its graphs")
+    ap.add_argument("--timeline", action="store_true",
+                    help="time every engine step of each scenario from start to finish instead of a decode window "
+                         "(no profiler)")
     ap.add_argument("--no-trace", action="store_true", help="write no Chrome trace")
     ap.add_argument("--trace-max-mb", type=float, default=5.0, help="largest gzipped one-step trace kept")
     ap.add_argument("--timeout", type=float, default=900,
@@ -840,7 +947,8 @@ def main(argv=None) -> int:
         doc = json.loads(src.read_text())
         if reclassify_top_kernels(doc):
             src.write_text(json.dumps(doc, indent=1) + "\n")
-        md = render_markdown(doc, args.baseline)
+        render = render_timeline if doc.get("settings", {}).get("timeline") else render_markdown
+        md = render(doc, args.baseline)
         src.with_name("profile.md").write_text(md + "\n")
         print(md)
         return 0
@@ -863,7 +971,8 @@ def main(argv=None) -> int:
                              max_attempts=args.max_attempts, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                             cudagraph_sizes=args.cudagraph_sizes or "vLLM's", cupti_warmup=args.cupti_warmup),
+                             cudagraph_sizes=args.cudagraph_sizes or "vLLM's", cupti_warmup=args.cupti_warmup,
+                             timeline=args.timeline),
                family_rules=[list(r) for r in FAMILY_RULES], configs=[], runs=[])
     for name, install, dtype in configs:
         cfg, runs = run_config(args, name, install, dtype, out)
@@ -874,7 +983,7 @@ def main(argv=None) -> int:
     # Scenario-major order for the report.
     doc["runs"].sort(key=lambda r: doc["scenarios"].index(r["scenario"]) if r["scenario"] in doc["scenarios"] else 99)
     (out / "profile.json").write_text(json.dumps(doc, indent=1))
-    md = render_markdown(doc, args.baseline)
+    md = (render_timeline if args.timeline else render_markdown)(doc, args.baseline)
     (out / "profile.md").write_text(md + "\n")
     print(md)
     _log(f"wrote {out / 'profile.json'} and {out / 'profile.md'}")

@@ -456,3 +456,66 @@ def test_report_only_moves_top_kernels_classified_under_older_rules(prof):
     assert abs(run["families"]["other"]["ms"] - 0.5) < 1e-9 and run["families"]["gemm"]["ms"] == 2.0
     assert run["top_kernels"][0]["family"] == "attention" and "reclassified" in run["warnings"][0]
     assert not pd.reclassify_top_kernels(doc)
+
+
+# ---- --timeline: a whole scenario step by step
+
+
+def test_summarize_timeline_splits_steps_by_kind(prof):
+    steps = [dict(ms=100.0, tokens=8192, reqs=8, pure=False), dict(ms=90.0, tokens=8200, reqs=16, pure=False),
+             dict(ms=6.0, tokens=16, reqs=16, pure=True), dict(ms=5.0, tokens=16, reqs=16, pure=True),
+             dict(ms=0.5, tokens=0, reqs=0, pure=True)]
+    t = prof.summarize_timeline(steps)
+    assert t["steps"] == 5 and t["total_s"] == pytest.approx(0.2015)
+    assert (t["prefill_steps"], t["prefill_tokens"], t["decode_steps"], t["decode_tokens"], t["idle_steps"]) == (
+        2, 16392, 2, 32, 1)
+    assert t["prefill_s"] == pytest.approx(0.19) and t["decode_ms_mean"] == pytest.approx(5.5)
+    assert prof.summarize_timeline([])["decode_ms_mean"] is None
+
+
+class _FinishingSched(_Sched):
+    """``_Sched`` whose requests leave once they have their prompt and ``n_out`` tokens."""
+
+    def __init__(self, n_out, **kw):
+        super().__init__(**kw)
+        self.n_out = n_out
+
+    def schedule(self):
+        out = super().schedule()
+        self.running = [r for r in self.running if r.num_computed_tokens < r.prompt + self.n_out]
+        return out
+
+
+def test_timeline_scenario_times_every_step_to_the_last_token(prof, monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    syncs = []
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: syncs.append(1)))
+    sched = _FinishingSched(n_out=5, per_step=2, prefill_at=(4,))
+    rec = prof.ScheduleRecorder(sched)
+    llm = _LLM(sched)
+    args = SimpleNamespace(config_name="ours-k3v4")
+    out = prof._timeline_scenario(llm, fake_torch, sched, SimpleNamespace(batch_queue=None), rec, (8, 5, 6), args,
+                                  "8x5x6")
+    # 6 prompts at 2 per step: 3 prefill steps (the first decode tokens ride along), the re-prefill of step 4, and
+    # decode steps until the last request has its 5 tokens; every step synchronized
+    t = out["timeline"]
+    assert out["complete"] and not sched.has_requests() and llm.aborted == []
+    assert t["steps"] == len(out["steps"]) == len(syncs) - 1
+    assert t["prefill_steps"] == 4 and t["idle_steps"] == 0 and t["decode_steps"] == t["steps"] - 4
+    assert t["prefill_tokens"] + t["decode_tokens"] == sum(x["tokens"] for x in out["steps"])
+    assert all(x["ms"] >= 0 for x in out["steps"])
+
+
+def test_timeline_report_compares_whole_runs(prof):
+    doc = dict(scenarios=["1024x256x64"], date="d", command="c", settings=dict(timeline=True),
+               configs=[dict(name="bf16", device="H100", vllm_version="0.26.0", torch_version="2.11"),
+                        dict(name="ours-k3v4", device="H100")],
+               runs=[dict(config=c, scenario="1024x256x64", complete=True,
+                          timeline=prof.summarize_timeline([dict(ms=ms, tokens=10, reqs=2, pure=False),
+                                                            dict(ms=4.0, tokens=2, reqs=2, pure=True)]))
+                     for c, ms in (("bf16", 96.0), ("ours-k3v4", 196.0))])
+    md = prof.render_timeline(doc)
+    assert "## 1024x256x64" in md and "| bf16 | 0.10 | 1.00x | 1 | 0.10 | 10 | 1 | 0.00 | 4.00 | 0 |" in md
+    assert "| ours-k3v4 | 0.20 | 2.00x |" in md
