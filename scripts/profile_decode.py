@@ -607,18 +607,34 @@ def _snapshot(sched) -> dict:
     return dict(running=len(ctx), waiting=len(sched.waiting), mean_context=sum(ctx) / len(ctx) if ctx else 0.0)
 
 
-def _profile_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args, label: str) -> dict:
+def _enqueue_scenario(llm, sc) -> list:
+    """The scenario's requests (random prompt ids, greedy, ignore_eos, max_tokens = output length), added to the
+    engine; their ids."""
     import random
 
-    from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
     n_in, n_out, batch = sc
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
     sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
-    ids = llm.enqueue(prompts, sp, use_tqdm=False)
+    return llm.enqueue(prompts, sp, use_tqdm=False)
+
+
+def _abort_and_settle(engine, sched, core, ids) -> None:
+    engine.abort_request(ids, internal=True)
+    for _ in range(64):  # let the scheduler and an in-flight batch (async scheduling) settle
+        if not sched.has_requests() and not getattr(core, "batch_queue", None):
+            break
+        engine.step()
+
+
+def _profile_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args, label: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = llm.llm_engine
+    n_in, n_out, batch = sc
+    ids = _enqueue_scenario(llm, sc)
     out = dict(scenario=label, input_len=n_in, output_len=n_out, batch=batch, warnings=[])
     try:
         start = len(rec.records)
@@ -702,11 +718,7 @@ def _profile_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args, 
              f"step {out['step_ms']:.2f} ms (profiled {out['step_ms_profiled']:.2f}), "
              f"GPU busy {agg['busy_ms']:.2f} ms, {agg['kernels_per_step']:.0f} kernels/step")
     finally:
-        engine.abort_request(ids, internal=True)
-        for _ in range(64):  # let the scheduler and an in-flight batch (async scheduling) settle
-            if not sched.has_requests() and not getattr(core, "batch_queue", None):
-                break
-            engine.step()
+        _abort_and_settle(engine, sched, core, ids)
     return out
 
 
@@ -714,16 +726,9 @@ def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args,
     """Every engine step of one scenario, timed to the end of its GPU work: (ms, tokens, requests, pure decode) each,
     and ``summarize_timeline`` of them. Stops after as many steps as _profile_scenario allows to reach steady decode
     (the requests are then aborted and ``complete`` is False)."""
-    import random
-
-    from vllm import SamplingParams
-
     engine = llm.llm_engine
     n_in, n_out, batch = sc
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
-    sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
-    ids = llm.enqueue(prompts, sp, use_tqdm=False)
+    ids = _enqueue_scenario(llm, sc)
     steps: list[dict] = []
     complete = False
     try:
@@ -738,11 +743,7 @@ def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args,
         complete = not engine.has_unfinished_requests()
     finally:
         if not complete:
-            engine.abort_request(ids, internal=True)
-            for _ in range(64):
-                if not sched.has_requests() and not getattr(core, "batch_queue", None):
-                    break
-                engine.step()
+            _abort_and_settle(engine, sched, core, ids)
     t = summarize_timeline(steps)
     _log(f"{args.config_name} {label}: {t['steps']} steps, {t['total_s']:.2f} s: prefill {t['prefill_steps']} steps "
          f"{t['prefill_s']:.2f} s, decode {t['decode_steps']} steps {t['decode_s']:.2f} s")
