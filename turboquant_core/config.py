@@ -33,6 +33,9 @@ class TQConfig:
         decode does) instead of in bf16. A request's keys and values then do not depend on how its prompt was
         chunked or served from the prefix cache, so temperature-0 answers repeat under load; prompts are processed
         at the strict regime's quality (``tq eval-ppl``), lower than the default's at 3-bit keys.
+    compile_workers: processes that compile the kernel variants at start-up, in parallel, before the warm-up runs
+        them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks;
+        1 compiles them one after another in the engine process.
     """
 
     key_centering: bool = True
@@ -40,6 +43,7 @@ class TQConfig:
     boundary_layers: int = 0
     attention_workspace_mb: int = 32
     prefill_from_cache: bool = False
+    compile_workers: int = 0
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -55,6 +59,9 @@ class TQConfig:
             raise ValueError(f"attention_workspace_mb must be an integer >= 1, got {self.attention_workspace_mb!r}")
         if not isinstance(self.prefill_from_cache, bool):
             raise ValueError(f"prefill_from_cache must be true or false, got {self.prefill_from_cache!r}")
+        if not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool) \
+                or self.compile_workers < 0:
+            raise ValueError(f"compile_workers must be an integer >= 0 (0: automatic), got {self.compile_workers!r}")
 
     def uuid(self) -> str:
         """Stable identity (vLLM's config hashing accepts objects that provide one)."""
@@ -63,7 +70,8 @@ class TQConfig:
     def describe(self) -> str:
         return (f"key centering {'on' if self.key_centering else 'off'}, key smoothing {self.key_smoothing}, "
                 f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB, "
-                f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}")
+                f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}, "
+                f"{self.compile_workers or 'automatic'} compile workers")
 
     @classmethod
     def from_vllm(cls, vllm_config) -> TQConfig:

@@ -141,11 +141,14 @@ def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_en
     assert _tq_config(parser, arg_utils, []) == TQConfig()
     got = _tq_config(parser, arg_utils, ["--kv-cache-dtype", "turboquant_k3v4_nc", "--no-tq-key-centering",
                                          "--tq-key-smoothing", "all", "--tq-boundary-layers", "2",
-                                         "--tq-attention-workspace-mb", "64", "--tq-prefill-from-cache"])
+                                         "--tq-attention-workspace-mb", "64", "--tq-prefill-from-cache",
+                                         "--tq-compile-workers", "1"])
     assert got == TQConfig(key_centering=False, key_smoothing="all", boundary_layers=2, attention_workspace_mb=64,
-                           prefill_from_cache=True)
+                           prefill_from_cache=True, compile_workers=1)
     with pytest.raises(ValueError, match="boundary_layers must be an integer >= 0"):
         _tq_config(parser, arg_utils, ["--tq-boundary-layers", "-1"])
+    with pytest.raises(ValueError, match="compile_workers must be an integer >= 0"):
+        _tq_config(parser, arg_utils, ["--tq-compile-workers", "-2"])
 
 
 def test_turboquant_options_in_help_with_their_choices(parser, capsys):
@@ -153,7 +156,8 @@ def test_turboquant_options_in_help_with_their_choices(parser, capsys):
         parser.parse_args(["--help=CacheConfig"])
     out = capsys.readouterr().out
     for option in ("--tq-key-centering", "--no-tq-key-centering", "--tq-key-smoothing", "--tq-boundary-layers",
-                   "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache"):
+                   "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache",
+                   "--tq-compile-workers"):
         assert option in out
     assert "{auto,all,off}" in out
     with pytest.raises(SystemExit) as exc:

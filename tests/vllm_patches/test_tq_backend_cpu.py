@@ -280,3 +280,49 @@ def test_long_chunks_lay_out_context_and_fresh_rows_for_one_flashattention_pass(
                                  ref, 3)
         torch.testing.assert_close(out[q0:q0 + fresh[r]].float(), ref.float(), atol=2e-2, rtol=1e-2)
         q0 += fresh[r]
+
+
+def test_warmup_compiles_ahead_then_runs_every_layer_variant_of_every_group(cpu_backend, monkeypatch):
+    """warmup_tq_attention gives compile_ahead one pass over every group's warm-up calls (a centred and a plain layer
+    variant here), with the node's CPUs shared among its ranks (or --tq-compile-workers), then makes the same calls
+    for real."""
+    from turboquant_core.config import TQConfig
+    from turboquant_core.ops import compile_ahead
+    from turboquant_core.vllm import warmup
+
+    layers, builder, caches = _group(cpu_backend)
+    layers[LAYERS[1]].impl.key_centering = None
+    for name in LAYERS:
+        layers[name].kv_cache = caches[name]
+    calls, ahead, phase = [], [], ["real"]
+
+    def warmup_kernels(kv_cache, dtype, centering=None):
+        calls.append((phase[0], kv_cache.data_ptr(), dtype, centering is not None))
+        return 3
+
+    def recorded_ahead(launch, workers):
+        ahead.append(workers)
+        phase[0] = "ahead"
+        try:
+            return compile_ahead.compile_ahead(launch, workers)
+        finally:
+            phase[0] = "real"
+
+    monkeypatch.setattr(builder, "warmup_kernels", warmup_kernels)
+    monkeypatch.setattr(warmup, "attach_key_centering", lambda model_runner: {})
+    monkeypatch.setattr(warmup, "compile_ahead", recorded_ahead)
+    group = SimpleNamespace(backend=cpu_backend.TQAttentionBackend, layer_names=LAYERS,
+                            get_metadata_builder=lambda: builder, metadata_builders=[builder])
+    runner = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        model_config=SimpleNamespace(dtype=torch.bfloat16), attn_groups=[[group]],
+        parallel_config=SimpleNamespace(local_world_size=2, data_parallel_size_local=1))
+    warmup.warmup_tq_attention(runner)
+    runner.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(turboquant=TQConfig(compile_workers=1)))
+    warmup.warmup_tq_attention(runner)  # --tq-compile-workers 1
+    assert ahead == [compile_ahead.default_workers(2), 1]
+    calls = calls[:4]
+    ptr = caches[LAYERS[0]].data_ptr()
+    # recorded inside compile_ahead, then for real; the centred and the plain variant each time
+    assert calls == [(p, ptr, torch.bfloat16, c) for p in ("ahead", "real") for c in (True, False)]
+    assert builder.kept_center_sums is not None and list(builder.kept_center_sums.layers) == [LAYERS[0]]

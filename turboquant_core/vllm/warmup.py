@@ -8,13 +8,21 @@ variant, and the prefill context's gather.
 vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
 this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
 on batch size or sequence length (run-time arguments), so this is all the compilation the backend needs.
+
+The variants are compiled in parallel worker processes first (``ops.compile_ahead``: the warm-up's launches are
+recorded without running, the variants not in Triton's on-disk cache are compiled for the device's target on the
+node's CPUs), and the warm-up then runs for real, loading each variant from the cache instead of compiling the
+variants one after another in the engine process.
 """
 
+import functools
 import time
 
 import torch
 from vllm.logger import init_logger
 
+from ..config import TQConfig
+from ..ops.compile_ahead import compile_ahead, default_workers
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
 from .centering import attach_key_centering
@@ -25,9 +33,9 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 def warmup_tq_attention(model_runner) -> None:
-    """Attach key centering, keep the centred layers' sums across steps, then launch the
-    TurboQuant kernels of every TURBOQUANT attention group once, so that Triton compiles
-    them during start-up instead of inside the first requests."""
+    """Attach key centering, keep the centred layers' sums across steps, compile the
+    TurboQuant kernel variants of every TurboQuant attention group in parallel processes,
+    then launch each variant once, so that no kernel compiles inside the first requests."""
     ctx = model_runner.compilation_config.static_forward_context
     dtype = model_runner.model_config.dtype
     skipped = attach_key_centering(model_runner)
@@ -43,7 +51,8 @@ def warmup_tq_attention(model_runner) -> None:
         f" ({ctx[centred[0]].impl.key_centering.describe()})" if centred else "",
         f"; not on {len(skipped)}: {sorted(set(skipped.values()))}" if skipped else "",
     )
-    t0, launches, kept_layers, kept_bytes = time.perf_counter(), 0, 0, 0
+    kept_layers, kept_bytes = 0, 0
+    jobs = []  # one warm-up call per group and layer variant; each returns its number of launches
     for groups in getattr(model_runner, "attn_groups", None) or []:
         for group in groups:
             if group.backend not in (TQAttentionBackend, TQMLABackend) or not group.layer_names:
@@ -53,10 +62,18 @@ def warmup_tq_attention(model_runner) -> None:
                 kv_cache = kv_cache[0]
             if kv_cache.numel() == 0:
                 continue
+            builder = group.get_metadata_builder()
             if group.backend is TQMLABackend:
                 impl = ctx[group.layer_names[0]].impl
-                launches += group.get_metadata_builder().warmup_kernels(
-                    kv_cache, dtype, impl.num_heads, impl.scale, impl.rotation_folded
+                jobs.append(
+                    functools.partial(
+                        builder.warmup_kernels,
+                        kv_cache,
+                        dtype,
+                        impl.num_heads,
+                        impl.scale,
+                        impl.rotation_folded,
+                    )
                 )
                 continue
             kept = _keep_center_sums(group, ctx, kv_cache.shape[0], kv_cache.device)
@@ -67,8 +84,8 @@ def warmup_tq_attention(model_runner) -> None:
                 for c in (ctx[n].impl.key_centering for n in group.layer_names)
             }
             for centering in variants.values():
-                launches += group.get_metadata_builder().warmup_kernels(
-                    kv_cache, dtype, centering
+                jobs.append(
+                    functools.partial(builder.warmup_kernels, kv_cache, dtype, centering)
                 )
     if kept_layers:
         logger.info(
@@ -77,13 +94,45 @@ def warmup_tq_attention(model_runner) -> None:
             kept_layers,
             kept_bytes / (1 << 20),
         )
-    if launches:
-        torch.accelerator.synchronize()
-        logger.info(
-            "TurboQuant attention: %d kernel launches compiled in %.1f s",
-            launches,
-            time.perf_counter() - t0,
+    if not jobs:
+        return
+    # The variants compile in parallel processes first (no GPU needed), then the real
+    # launches load them from Triton's cache instead of compiling one after another.
+    try:
+        ahead = compile_ahead(
+            lambda: [job() for job in jobs], _compile_workers(model_runner)
         )
+        logger.info("TurboQuant attention: %s", ahead.describe())
+    except Exception as e:  # only start-up time is at stake: the launches below compile
+        logger.warning(
+            "TurboQuant attention: compiling ahead failed (%s: %s); the warm-up "
+            "compiles each kernel variant in this process",
+            type(e).__name__,
+            e,
+        )
+    t0 = time.perf_counter()
+    launches = sum(job() for job in jobs)
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+    logger.info(
+        "TurboQuant attention: %d kernel launches compiled or loaded in %.1f s",
+        launches,
+        time.perf_counter() - t0,
+    )
+
+
+def _compile_workers(model_runner) -> int:
+    """--tq-compile-workers, or with 0 (automatic) the CPUs this process may use shared among
+    the engine processes of this node that warm up at the same time."""
+    workers = TQConfig.from_vllm(getattr(model_runner, "vllm_config", None)).compile_workers
+    if workers:
+        return workers
+    pc = getattr(model_runner, "parallel_config", None)
+    try:
+        ranks = max(1, int(pc.local_world_size) * int(pc.data_parallel_size_local))
+    except (AttributeError, TypeError, ValueError):
+        ranks = 1
+    return default_workers(ranks)
 
 
 def _keep_center_sums(group, ctx, num_blocks: int, device) -> tuple[int, int]:

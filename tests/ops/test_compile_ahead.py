@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ops.compile_ahead`` on a machine without a GPU: a warm-up's launches recorded through Triton's own launch path
+(a stand-in driver reports an sm_90 device, so the binder specializes the real arguments as on a GPU), compiled by
+worker processes into a fresh on-disk cache, and then found there by Triton's own compile path for each variant, so
+that the engine's real launches load instead of compiling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from turboquant_core.ops.compile_ahead import KernelVariant, compile_in_workers, default_workers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import json, os, sys, time
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+
+class Sm90Driver:
+    """The three calls a launch makes before it compiles: an sm_90 device 0 (no CUDA involved)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(Sm90Driver())
+
+from turboquant_core.ops import paged_decode
+from turboquant_core.ops.compile_ahead import compile_ahead, is_cached, recording_variants, _jit_function
+from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
+
+paged_decode._gluon_runs = lambda device: True  # plan as on a GPU: decode takes the register-tile kernels
+
+layout = paged_layout("turboquant_4bit_nc", head_dim=64, block_size=16)
+cache = allocate_kv_cache(8, 3, layout)
+
+
+def warm():
+    return warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, paths=("decode",))
+
+
+def cache_files():
+    return sorted(str(p) for p in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*") if p.is_file())
+
+
+from pathlib import Path
+
+first = compile_ahead(warm, workers=2)
+files = cache_files()
+with recording_variants() as found:
+    warm()
+variants = list(found.values())
+second = compile_ahead(warm, workers=2)
+# Triton's own compile path from each recorded specialization (what a launch runs on a cache miss): a cache hit,
+# nothing new written.
+t0 = time.perf_counter()
+for v in variants:
+    _jit_function(v).preload(v.specialization)
+print(json.dumps(dict(
+    first=first.__dict__, second=second.__dict__, names=sorted(v.name for v in variants),
+    cached=[is_cached(v) for v in variants], files=len(files), new_files=sorted(set(cache_files()) - set(files)),
+    preload_s=time.perf_counter() - t0)))
+'''
+
+
+@pytest.mark.slow
+def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    first, second = res["first"], res["second"]
+    # decode at 4 bits, head_dim 64: the store, the query rotation, the register-tile kernel (split and unsplit
+    # launches share it) and the merge
+    assert res["names"] == sorted(["tq_paged_store_kernel", "tq_rotate_queries_kernel", "tq_paged_decode_kernel",
+                                   "tq_merge_unrotate_kernel"])
+    assert first["variants"] == 4 and first["cached"] == 0
+    assert first["compiled"] == 4 and first["failed"] == [] and first["workers"] == 2
+    assert res["files"] > 0
+    assert all(res["cached"])
+    # A second start finds every variant cached and starts no worker.
+    assert second["variants"] == 4 and second["cached"] == 4 and second["compiled"] == 0 and second["workers"] == 0
+    assert res["new_files"] == [], "Triton's own compile path did not find what the workers wrote"
+
+
+def test_a_variant_that_cannot_compile_is_reported_not_raised():
+    bad = KernelVariant("turboquant_core.kernels.paged_decode_jit", "no_such_kernel", "{}", ("cuda", 90, 32))
+    failed = compile_in_workers([bad], workers=2)
+    assert len(failed) == 1 and failed[0].startswith("no_such_kernel: AttributeError")
+
+
+def test_variant_json_round_trip_and_worker_count():
+    v = KernelVariant("m", "f", json.dumps({"name": "m.f"}), ("cuda", 90, 32))
+    assert KernelVariant.from_json(v.to_json()) == v
+    assert default_workers(1) >= default_workers(2) >= 1
+    assert default_workers(10_000) == 1

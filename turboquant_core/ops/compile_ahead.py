@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compile the Triton kernel variants that a block of launches reaches in parallel worker processes, before the
+launches run.
+
+Why: a serving engine's start-up warm-up (``ops.kernel_warmup``, ``vllm.warmup``) launches every kernel variant once,
+and Triton compiles each one in the engine process, one after another: a cold start spends tens of seconds there
+while the other CPU cores idle. Compiling needs no GPU, only the variant's specialization and the device's target.
+
+How (``compile_ahead``):
+1. record: the launches run once with Triton's ``jit_cache_hook`` answering "handled" for every variant not yet
+   compiled in this process, so nothing compiles and nothing launches. The hook receives each variant's
+   specialization exactly as Triton's own binder made it from the real arguments (``KernelVariant``).
+2. compile: variants not already in Triton's on-disk cache go to worker processes
+   (``python -m turboquant_core.ops.compile_ahead``), which rebuild the same source and options and compile them
+   with ``triton.compiler.compile`` for the device's target into the same on-disk cache.
+3. The caller then runs the launches for real: each variant is a cache hit, loaded instead of compiled.
+
+Nothing here changes what runs: a variant a worker could not compile (or whose cache entry differs) is compiled by
+the real launch as before, and its error, if any, is raised there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import triton
+from triton import knobs
+from triton._C.libtriton import get_cache_invalidating_env_vars
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.compiler.compiler import get_cache_key
+from triton.runtime.cache import get_cache_manager
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled variant of a ``@triton.jit`` / ``@gluon.jit`` function: where the function lives, Triton's
+    serialized specialization of the launch (``triton.runtime.jit.serialize_specialization_data``) and the target
+    (backend, arch, warp size) it is compiled for."""
+
+    module: str
+    name: str
+    specialization: str
+    target: tuple[str, int | str, int]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> KernelVariant:
+        d = json.loads(text)
+        return cls(d["module"], d["name"], d["specialization"], tuple(d["target"]))
+
+
+@dataclass
+class CompileAheadReport:
+    """What ``compile_ahead`` did: variants recorded, already cached, compiled by workers (and failed), the number
+    of worker processes and the wall time of each phase."""
+
+    variants: int = 0
+    cached: int = 0
+    compiled: int = 0
+    failed: list[str] = field(default_factory=list)
+    workers: int = 0
+    record_s: float = 0.0
+    compile_s: float = 0.0
+
+    def describe(self) -> str:
+        text = (f"{self.variants} kernel variants, {self.cached} already cached, {self.compiled} compiled by "
+                f"{self.workers} processes in {self.compile_s:.1f} s")
+        if self.failed:
+            text += f"; {len(self.failed)} left to the engine ({self.failed[0]})"
+        return text
+
+
+@contextmanager
+def recording_variants():
+    """While open, launches of Triton functions do not compile or run: every variant that would compile is added
+    to the yielded dict (keyed by function and specialization) instead. Variants already compiled in this process
+    launch as usual."""
+    found: dict[tuple[str, str, str], KernelVariant] = {}
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*, key, fn, compile, **_):
+        target = fn.jit_function.device_caches[compile["device"]][2]
+        found.setdefault((fn.module, fn.name, str(key)), KernelVariant(
+            fn.module, fn.name, compile["specialization_data"], (target.backend, target.arch, target.warp_size)))
+        return True  # handled: Triton neither compiles nor launches this variant
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield found
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def _jit_function(variant: KernelVariant):
+    fn = importlib.import_module(variant.module)
+    for part in variant.name.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def _compile_inputs(variant: KernelVariant):
+    """(source, target, options dict) that ``triton.compiler.compile`` receives for this variant when a launch
+    compiles it (as ``JITFunction.preload`` rebuilds them from the serialized specialization)."""
+    import triton.language as tl
+
+    fn = _jit_function(variant)
+    data = json.loads(variant.specialization)
+    constexprs = {
+        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v)
+        else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        for k, v in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in data["signature"].items()}
+    target = GPUTarget(*variant.target)
+    options = make_backend(target).parse_options(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_cls
+    else:
+        source_cls = ASTSource
+    return source_cls(fn, signature, constexprs, attrs), target, options.__dict__
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def is_cached(variant: KernelVariant) -> bool:
+    """Whether Triton's on-disk cache holds this variant: a launch would load it instead of compiling (the lookup
+    of ``triton.compiler.compile``)."""
+    src, target, options = _compile_inputs(variant)
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
+    manager = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
+    name = f"{src.name[:150]}.json"
+    group = manager.get_group(name) or {}
+    return not knobs.compilation.always_compile and group.get(name) is not None
+
+
+def compile_variant(variant: KernelVariant):
+    """Compile one variant into Triton's on-disk cache (a cache hit returns at once)."""
+    src, target, options = _compile_inputs(variant)
+    return triton.compiler.compile(src, target=target, options=options)
+
+
+def default_workers(ranks_per_node: int = 1) -> int:
+    """Worker processes for one engine process: the CPUs it may run on, shared among the ranks of one node."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, ranks_per_node))
+
+
+def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 600.0) -> list[str]:
+    """Compile ``variants`` in ``workers`` processes (at most one per variant), each taking the next variant as it
+    finishes one. Returns one line per variant that failed (the engine compiles those itself)."""
+    jobs: queue.Queue[KernelVariant] = queue.Queue()
+    for v in variants:
+        jobs.put(v)
+    failed: list[str] = []
+    lock = threading.Lock()
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU; a worker must not open a context on one
+    deadline = time.monotonic() + timeout_s
+
+    def serve() -> None:
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    v = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                proc.stdin.write(v.to_json() + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                result = json.loads(line) if line else {"ok": False, "error": "worker exited"}
+                if not result["ok"]:
+                    with lock:
+                        failed.append(f"{v.name}: {result['error']}")
+                    if not line:
+                        return
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    threads = [threading.Thread(target=serve, daemon=True) for _ in range(max(1, min(workers, len(variants))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 5.0)
+    while not jobs.empty():
+        failed.append(f"{jobs.get_nowait().name}: not compiled within {timeout_s:.0f} s")
+    return failed
+
+
+def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadReport:
+    """Record the kernel variants ``launch()`` would compile (without compiling or running them) and compile those
+    not in Triton's on-disk cache in ``workers`` processes. Call ``launch()`` afterwards to run it for real. With
+    ``workers`` < 2 only the recording and the cache check happen (the launches then compile as before)."""
+    report = CompileAheadReport()
+    t0 = time.perf_counter()
+    with recording_variants() as found:
+        launch()
+    variants = list(found.values())
+    todo = [v for v in variants if not is_cached(v)]
+    report.variants, report.cached = len(variants), len(variants) - len(todo)
+    report.record_s = time.perf_counter() - t0
+    if todo and workers >= 2:
+        t0 = time.perf_counter()
+        report.workers = min(workers, len(todo))
+        report.failed = compile_in_workers(todo, report.workers)
+        report.compiled = len(todo) - len(report.failed)
+        report.compile_s = time.perf_counter() - t0
+    return report
+
+
+def _worker_main() -> None:
+    """Compile the variants read from stdin (one JSON ``KernelVariant`` per line), answering one JSON line each on
+    the original stdout; anything the compiler prints goes to stderr."""
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        t0 = time.perf_counter()
+        try:
+            compile_variant(KernelVariant.from_json(line))
+            out = {"ok": True, "seconds": time.perf_counter() - t0}
+        except Exception as e:  # reported to the parent, whose real launch compiles (and raises) instead
+            out = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        results.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    _worker_main()
+
+
+__all__ = ["CompileAheadReport", "KernelVariant", "compile_ahead", "compile_in_workers", "compile_variant",
+           "default_workers", "is_cached", "recording_variants"]
