@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Engine start-up time of vLLM with bf16 and TurboQuant KV caches, with Triton's kernel cache cold and warm, and the
+TurboQuant kernel variants compiled one after another or by parallel processes (``--tq-compile-workers``).
+
+Each run is one engine in its own subprocess (``vllm.LLM`` on dummy weights, CUDA graphs as served, then one short
+request to show it serves), timed from the constructor's call to its return. Runs in the order given; by default:
+
+    bf16            Triton cache fresh (primes vLLM's own torch.compile cache for every later run)
+    ours-k3v4/1     turboquant_k3v4_nc, Triton cache fresh, variants compiled in the engine process (before this
+                    change's default)
+    ours-k3v4/0     the same with a fresh cache and the automatic worker count (the default)
+    ours-k3v4/0     again, over the cache the run before filled (warm)
+    bf16            again (warm), the baseline the warm TurboQuant start is compared with
+
+    python benchmarks/bench_startup.py --model benchmarks/configs/qwen3-8b --out startup.json
+
+A run is NAME[/WORKERS][:warm]: NAME bf16 or ours-<preset>; WORKERS the ``--tq-compile-workers`` value (0:
+automatic); ``:warm`` reuses the Triton cache of the run before it instead of a fresh one. The engine log's TurboQuant
+lines give the compile-ahead and warm-up seconds. Needs CUDA and vLLM 0.26.0 patched by scripts/patches.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_RUNS = "bf16,ours-k3v4/1,ours-k3v4/0,ours-k3v4/0:warm,bf16:warm"
+AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled by "
+                      r"(\d+) processes in ([\d.]+) s")
+LAUNCH_RE = re.compile(r"TurboQuant attention: (\d+) kernel launches compiled or loaded in ([\d.]+) s")
+
+
+def parse_run(text: str) -> dict:
+    """NAME[/WORKERS][:warm] -> {name, kv_cache_dtype, compile_workers (None for bf16), warm}."""
+    spec, _, mode = text.strip().partition(":")
+    if mode not in ("", "warm"):
+        raise SystemExit(f"bad run {text!r}: the only suffix is ':warm'")
+    name, _, workers = spec.partition("/")
+    if name == "bf16":
+        dtype = "auto"
+    elif name.startswith("ours-"):
+        short = name.removeprefix("ours-")
+        dtype = f"turboquant_{short}" + ("" if short == "k8v4" else "_nc")
+    else:
+        raise SystemExit(f"bad run {text!r}: expected bf16 or ours-<preset> (e.g. ours-k3v4)")
+    if workers and name == "bf16":
+        raise SystemExit(f"bad run {text!r}: bf16 compiles no TurboQuant kernels, so takes no /WORKERS")
+    try:
+        count = int(workers) if workers else (None if name == "bf16" else 0)
+    except ValueError:
+        raise SystemExit(f"bad run {text!r}: WORKERS must be an integer >= 0") from None
+    if count is not None and count < 0:
+        raise SystemExit(f"bad run {text!r}: WORKERS must be an integer >= 0")
+    if dtype != "auto":
+        from turboquant_core.formats import format_names
+
+        if dtype not in format_names():
+            raise SystemExit(f"bad run {text!r}: {dtype} is not a preset ({', '.join(format_names())})")
+    return dict(run=text.strip(), name=name, kv_cache_dtype=dtype, compile_workers=count, warm=mode == "warm")
+
+
+def log_numbers(log: str) -> dict:
+    """The TurboQuant start-up lines of an engine log: compile-ahead variants / cached / compiled / processes /
+    seconds and the warm-up's launches / seconds (absent for bf16)."""
+    out = {}
+    m = AHEAD_RE.search(log)
+    if m:
+        out.update(variants=int(m[1]), cached=int(m[2]), compiled_ahead=int(m[3]), compile_processes=int(m[4]),
+                   compile_ahead_s=float(m[5]))
+    m = LAUNCH_RE.search(log)
+    if m:
+        out.update(warmup_launches=int(m[1]), warmup_s=float(m[2]))
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+                  max_model_len=2048, gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
+    if args.compile_workers is not None:
+        kwargs["tq_compile_workers"] = args.compile_workers
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    out = llm.generate([{"prompt_token_ids": list(range(1000, 1064))}],
+                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    print("TQ_STARTUP_RESULT " + json.dumps(dict(startup_s=startup, tokens=len(out[0].outputs[0].token_ids))),
+          flush=True)
+
+
+def run_one(args, run: dict, cache_dir: Path, log_dir: Path) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", run["kv_cache_dtype"],
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if run["compile_workers"] is not None:
+        cmd += ["--compile-workers", str(run["compile_workers"])]
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, rc = e.stdout or "", e.stderr or "", "timeout"
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run["run"])
+    (log_dir / f"{len(list(log_dir.iterdir())):02d}-{safe}.log").write_text(out + "\n--- stderr ---\n" + err)
+    row = dict(run, returncode=rc, wall_s=time.perf_counter() - t, **log_numbers(out + err))
+    res = [ln for ln in out.splitlines() if ln.startswith("TQ_STARTUP_RESULT ")]
+    if res:
+        row.update(json.loads(res[-1].split(" ", 1)[1]))
+    else:
+        row["error"] = " | ".join([ln for ln in err.splitlines() if ln.strip()][-6:])[-1500:]
+    return row
+
+
+def summarize(rows: list[dict]) -> str:
+    warm_bf16 = [r["startup_s"] for r in rows if r["name"] == "bf16" and r["warm"] and "startup_s" in r]
+    base = warm_bf16[-1] if warm_bf16 else None
+    lines = ["| run | Triton cache | compile workers | start-up s | vs warm bf16 | variants (cached) | compile ahead s "
+             "| warm-up launches s |", "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        s = r.get("startup_s")
+        workers = "-" if r["compile_workers"] is None else (r["compile_workers"] or "auto")
+        if r.get("compile_processes") is not None and r["compile_workers"] == 0:
+            workers = f"auto ({r['compile_processes']})"
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            r["name"], "warm" if r["warm"] else "fresh", workers, f"{s:.1f}" if s is not None else "failed",
+            f"{s - base:+.1f}" if s is not None and base is not None else "-",
+            f"{r['variants']} ({r['cached']})" if "variants" in r else "-",
+            f"{r['compile_ahead_s']:.1f}" if "compile_ahead_s" in r else "-",
+            f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
+    ap.add_argument("--runs", default=DEFAULT_RUNS,
+                    help=f"comma list of NAME[/WORKERS][:warm] (default {DEFAULT_RUNS})")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--timeout", type=float, default=400)
+    ap.add_argument("--out", default="startup.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-workers", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    runs = [parse_run(r) for r in args.runs.split(",") if r.strip()]
+    if runs and runs[0]["warm"]:
+        raise SystemExit("the first run has no run before it to take a warm Triton cache from")
+    out = Path(args.out)
+    log_dir = out.with_suffix("").parent / (out.stem + "-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tq-startup-"))
+    rows, cache_dir = [], None
+    for i, run in enumerate(runs):
+        if not run["warm"]:
+            cache_dir = scratch / f"triton-{i}"
+            cache_dir.mkdir()
+        print(f"[startup] {run['run']}: Triton cache {'warm' if run['warm'] else 'fresh'}", flush=True)
+        rows.append(run_one(args, run, cache_dir, log_dir))
+        r = rows[-1]
+        print(f"[startup] {run['run']}: " + (f"{r['startup_s']:.1f} s" if "startup_s" in r else
+                                             f"FAILED: {r.get('error', '')[-300:]}"), flush=True)
+    import torch
+
+    result = dict(date=dt.date.today().isoformat(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                  else None, command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+                  model=args.model, rows=rows)
+    out.write_text(json.dumps(result, indent=1))
+    table = summarize(rows)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0 if all("startup_s" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
