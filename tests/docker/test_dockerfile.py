@@ -336,6 +336,21 @@ def test_compose_serves_a_turboquant_dtype_on_the_published_port_with_gpus(compo
     assert any("gpu" in d["capabilities"] and d["driver"] == "nvidia" for d in devices)
 
 
+def test_compose_keeps_compiled_kernels_across_restarts(compose_service, monkeypatch):
+    """Named volumes over Triton's kernel cache (where start-up compiles the TurboQuant variants) and vLLM's cache
+    (torch.compile), at the paths they take for the image's user, root: a restart loads instead of compiling."""
+    from triton import knobs
+
+    declared = yaml.safe_load(COMPOSE.read_text()).get("volumes") or {}
+    named = {target: source for source, _, target in (str(v).partition(":") for v in compose_service["volumes"])
+             if source in declared}
+    monkeypatch.setenv("HOME", "/root")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_HOME", raising=False)
+    for path in (knobs.cache.dir, "/root/.cache/vllm"):  # vLLM's default VLLM_CACHE_ROOT
+        assert any(path == t or path.startswith(t.rstrip("/") + "/") for t in named), (path, named)
+
+
 def test_docker_readme_names_only_real_formats():
     text = DOCKER_README.read_text()
     named = set(re.findall(r"\bturboquant_[a-z0-9_]+\b", text)) - {"turboquant_core"}
