@@ -64,6 +64,22 @@ class ProbedLaunch:
         return dict(kernel=self.name, regs=regs, stack=stack, shared=k.metadata.shared)
 
 
+class Sm90Driver:
+    """A stand-in for Triton's active driver that reports an sm_90 device 0 and answers the calls a launch makes
+    before it compiles (device, stream, target), so that launches take Triton's own path on a machine without a GPU
+    (``triton.runtime.driver.driver.set_active(Sm90Driver())``): its binder specializes the real arguments and its
+    ``jit_cache_hook`` sees the variants. Nothing can launch."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+
 def install(on_launch) -> None:
     """Every later launch is handed to ``on_launch(ProbedLaunch)`` instead of compiling and running."""
 

@@ -18,23 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
 import json, os, sys, time
+from pathlib import Path
+
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-
-class Sm90Driver:
-    """The three calls a launch makes before it compiles: an sm_90 device 0 (no CUDA involved)."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
+from tests.ops.sm90_probe import Sm90Driver
 
 driver.set_active(Sm90Driver())
 
@@ -55,8 +44,6 @@ def warm():
 def cache_files():
     return sorted(str(p) for p in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*") if p.is_file())
 
-
-from pathlib import Path
 
 first = compile_ahead(warm, workers=2)
 files = cache_files()
