@@ -159,13 +159,18 @@ def compile_variant(variant: KernelVariant):
     return triton.compiler.compile(src, target=target, options=options)
 
 
+# A worker holds torch and Triton (about 0.3 GB); a warm-up has a few tens of variants, the slowest taking seconds.
+MAX_DEFAULT_WORKERS = 16
+
+
 def default_workers(ranks_per_node: int = 1) -> int:
-    """Worker processes for one engine process: the CPUs it may run on, shared among the ranks of one node."""
+    """Worker processes for one engine process: the CPUs it may run on, shared among the ranks of one node, at most
+    ``MAX_DEFAULT_WORKERS``."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, ranks_per_node))
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(1, ranks_per_node)))
 
 
 def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 600.0) -> list[str]:
@@ -258,5 +263,5 @@ if __name__ == "__main__":
     _worker_main()
 
 
-__all__ = ["CompileAheadReport", "KernelVariant", "compile_ahead", "compile_in_workers", "compile_variant",
-           "default_workers", "is_cached", "recording_variants"]
+__all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "KernelVariant", "compile_ahead", "compile_in_workers",
+           "compile_variant", "default_workers", "is_cached", "recording_variants"]
