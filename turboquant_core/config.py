@@ -34,7 +34,8 @@ class TQConfig:
         chunked or served from the prefix cache, so temperature-0 answers repeat under load; prompts are processed
         at the strict regime's quality (``tq eval-ppl``), lower than the default's at 3-bit keys.
     compile_workers: processes that compile the kernel variants at start-up, in parallel, before the warm-up runs
-        them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks;
+        them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks
+        (at most 16);
         1 compiles them one after another in the engine process.
     """
 
