@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Engine start-up time of vLLM with bf16 and TurboQuant KV caches, with Triton's kernel cache cold and warm, and the
-TurboQuant kernel variants compiled one after another or by parallel processes (``--tq-compile-workers``).
+"""Engine start-up time of vLLM with bf16 and TurboQuant KV caches, on a cold machine (compile caches empty) and a
+warm one, with the TurboQuant kernel variants compiled one after another or by parallel processes
+(``--tq-compile-workers``).
 
 Each run is one engine in its own subprocess (``vllm.LLM`` on dummy weights, CUDA graphs as served, then one short
-request to show it serves), timed from the constructor's call to its return. Runs in the order given; by default:
+request to show it serves), timed from the constructor's call to its return. A run's compile caches live under its own
+cache root: vLLM's (``VLLM_CACHE_ROOT``: torch.compile, Inductor, and the Triton cache vLLM points ``TRITON_CACHE_DIR``
+at once torch.compile starts, where the TurboQuant variants then land too) and Triton's own (``TRITON_CACHE_DIR``, used
+before that). A cold run gets an empty root; a warm one reuses the root of the latest earlier run of the same NAME.
+Runs in the order given; by default:
 
-    bf16            Triton cache fresh (primes vLLM's own torch.compile cache for every later run)
-    ours-k3v4/1     turboquant_k3v4_nc, Triton cache fresh, variants compiled in the engine process (before this
-                    change's default)
-    ours-k3v4/0     the same with a fresh cache and the automatic worker count (the default)
-    ours-k3v4/0     again, over the cache the run before filled (warm)
-    bf16            again (warm), the baseline the warm TurboQuant start is compared with
+    bf16            cold
+    ours-k3v4/1     turboquant_k3v4_nc, cold, variants compiled in the engine process, one after another
+    ours-k3v4/0     cold, the automatic worker count (the default)
+    ours-k3v4/0     warm: over the caches the run before filled
+    bf16            warm: the baseline the warm TurboQuant start is compared with
 
     python benchmarks/bench_startup.py --model benchmarks/configs/qwen3-8b --out startup.json
 
 A run is NAME[/WORKERS][:warm]: NAME bf16 or ours-<preset>; WORKERS the ``--tq-compile-workers`` value (0:
-automatic); ``:warm`` reuses the Triton cache of the run before it instead of a fresh one. The engine log's TurboQuant
-lines give the compile-ahead and warm-up seconds. Needs CUDA and vLLM 0.26.0 patched by scripts/patches.py.
+automatic). The engine log's TurboQuant lines give the compile-ahead and warm-up seconds. Needs CUDA and vLLM 0.26.0
+patched by scripts/patches.py.
 """
 
 from __future__ import annotations
@@ -98,8 +102,9 @@ def worker(args: argparse.Namespace) -> None:
           flush=True)
 
 
-def run_one(args, run: dict, cache_dir: Path, log_dir: Path) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1")
+def run_one(args, run: dict, cache_root: Path, log_dir: Path) -> dict:
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache_root / "vllm"), TRITON_CACHE_DIR=str(cache_root / "triton"),
+               VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", run["kv_cache_dtype"],
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if run["compile_workers"] is not None:
@@ -125,15 +130,15 @@ def run_one(args, run: dict, cache_dir: Path, log_dir: Path) -> dict:
 def summarize(rows: list[dict]) -> str:
     warm_bf16 = [r["startup_s"] for r in rows if r["name"] == "bf16" and r["warm"] and "startup_s" in r]
     base = warm_bf16[-1] if warm_bf16 else None
-    lines = ["| run | Triton cache | compile workers | start-up s | vs warm bf16 | variants (cached) | compile ahead s "
-             "| warm-up launches s |", "|---|---|---|---:|---:|---|---:|---:|"]
+    lines = ["| run | compile caches | compile workers | start-up s | vs warm bf16 | variants (cached) "
+             "| compile ahead s | warm-up launches s |", "|---|---|---|---:|---:|---|---:|---:|"]
     for r in rows:
         s = r.get("startup_s")
         workers = "-" if r["compile_workers"] is None else (r["compile_workers"] or "auto")
         if r.get("compile_processes") is not None and r["compile_workers"] == 0:
             workers = f"auto ({r['compile_processes']})"
         lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
-            r["name"], "warm" if r["warm"] else "fresh", workers, f"{s:.1f}" if s is not None else "failed",
+            r["name"], "warm" if r["warm"] else "cold", workers, f"{s:.1f}" if s is not None else "failed",
             f"{s - base:+.1f}" if s is not None and base is not None else "-",
             f"{r['variants']} ({r['cached']})" if "variants" in r else "-",
             f"{r['compile_ahead_s']:.1f}" if "compile_ahead_s" in r else "-",
@@ -157,19 +162,22 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     runs = [parse_run(r) for r in args.runs.split(",") if r.strip()]
-    if runs and runs[0]["warm"]:
-        raise SystemExit("the first run has no run before it to take a warm Triton cache from")
+    seen = set()
+    for run in runs:
+        if run["warm"] and run["name"] not in seen:
+            raise SystemExit(f"run {run['run']!r}: no earlier {run['name']} run to take warm caches from")
+        seen.add(run["name"])
     out = Path(args.out)
     log_dir = out.with_suffix("").parent / (out.stem + "-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="tq-startup-"))
-    rows, cache_dir = [], None
+    rows, roots = [], {}
     for i, run in enumerate(runs):
         if not run["warm"]:
-            cache_dir = scratch / f"triton-{i}"
-            cache_dir.mkdir()
-        print(f"[startup] {run['run']}: Triton cache {'warm' if run['warm'] else 'fresh'}", flush=True)
-        rows.append(run_one(args, run, cache_dir, log_dir))
+            roots[run["name"]] = scratch / f"caches-{i}"
+            roots[run["name"]].mkdir()
+        print(f"[startup] {run['run']}: compile caches {'warm' if run['warm'] else 'cold'}", flush=True)
+        rows.append(run_one(args, run, roots[run["name"]], log_dir))
         r = rows[-1]
         print(f"[startup] {run['run']}: " + (f"{r['startup_s']:.1f} s" if "startup_s" in r else
                                              f"FAILED: {r.get('error', '')[-300:]}"), flush=True)

@@ -39,5 +39,10 @@ def test_summary_compares_with_the_last_warm_bf16_start():
                  compile_ahead_s=8.0, warmup_s=1.0, compile_processes=16),
             dict(name="bf16", warm=True, compile_workers=None, startup_s=60.0)]
     table = bench_startup.summarize(rows).splitlines()
-    assert table[3].startswith("| ours-k3v4 | fresh | auto (16) | 95.5 | +35.5 | 19 (0) | 8.0 | 1.0 |")
+    assert table[3].startswith("| ours-k3v4 | cold | auto (16) | 95.5 | +35.5 | 19 (0) | 8.0 | 1.0 |")
     assert table[4] == "| bf16 | warm | - | 60.0 | +0.0 | - | - | - |"
+
+
+def test_a_warm_run_needs_an_earlier_run_of_its_config(tmp_path):
+    with pytest.raises(SystemExit, match="no earlier ours-k3v4 run to take warm caches from"):
+        bench_startup.main(["--model", "m", "--runs", "bf16,ours-k3v4:warm", "--out", str(tmp_path / "s.json")])

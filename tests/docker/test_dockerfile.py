@@ -337,8 +337,9 @@ def test_compose_serves_a_turboquant_dtype_on_the_published_port_with_gpus(compo
 
 
 def test_compose_keeps_compiled_kernels_across_restarts(compose_service, monkeypatch):
-    """Named volumes over Triton's kernel cache (where start-up compiles the TurboQuant variants) and vLLM's cache
-    (torch.compile), at the paths they take for the image's user, root: a restart loads instead of compiling."""
+    """Named volumes over vLLM's cache (torch.compile; vLLM points Triton's cache inside it once torch.compile runs,
+    so the TurboQuant variants land there) and Triton's own, at the paths they take for the image's user, root: a
+    restart loads instead of compiling."""
     from triton import knobs
 
     declared = yaml.safe_load(COMPOSE.read_text()).get("volumes") or {}
