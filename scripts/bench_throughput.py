@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Offline-generate throughput and KV capacity of vLLM across KV-cache dtypes, in one run on one GPU.
+"""Offline-generate throughput and KV capacity of vLLM across KV-cache dtypes, in one run on one GPU (or one
+tensor-parallel group of GPUs).
 
 Each configuration runs in its own subprocess (GPU memory is freed between them) with its own
 PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
@@ -16,6 +17,16 @@ INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of several batch sizes at one 
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
 serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
+
+``--tensor-parallel-size N`` spreads every config's engine over N GPUs (vLLM's ``tensor_parallel_size``; each rank
+holds its share of the KV heads, one head replicated where there are fewer heads than ranks). The capacity is then
+still the engine's tokens, not a sum over ranks: vLLM sizes each rank's pool from that rank's free memory, gives every
+rank the smallest block count of them all (every rank holds every token, for its own heads) and logs the tokens of
+that pool once (vLLM 0.26: v1/core/kv_cache_utils.py, ``get_kv_cache_configs``). Ratios are taken against the
+baseline run at the same size. ``kv_capacity_expected_tokens`` is the format table's arithmetic for the same pool:
+the KV memory vLLM gives a rank ("Available KV cache memory: X GiB", the smallest over the ranks) over the bytes one
+token takes on that rank (layers x the rank's KV heads x the dtype's bytes per token and head); it holds for models
+whose layers are all full attention (not the sliding-window or hybrid shapes).
 
 Per scenario, with vLLM's stats on (``disable_log_stats=False``; ``--no-engine-stats`` turns them off and drops
 these columns): the peak number of running sequences (``SchedulerStats.num_running_reqs`` of every engine step, read
@@ -58,6 +69,7 @@ WEIGHT_CONFIGS = {"bf16": ("patched", "auto", None), "fp8": ("patched", "auto", 
                   "awq-marlin": ("patched", "auto", "awq_marlin"), "tq4": ("patched", "auto", "tq4"),
                   "tq3": ("patched", "auto", "tq3"), "tq4+k3v4": ("patched", "turboquant_k3v4_nc", "tq4")}
 DEFAULT_WEIGHT_CONFIGS = ",".join(WEIGHT_CONFIGS)
+GIB = 1 << 30
 AWQ_DUMMY_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
@@ -133,16 +145,29 @@ def parse_weight_configs(text: str) -> list[tuple[str, str, str, str | None]]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]]) -> dict:
     """vllm.LLM arguments for one config serving ``scenarios`` (scripts/profile_decode.py builds its engine with
     these too). ``args`` needs model, kv_cache_dtype, max_num_seqs (0: the largest batch), gpu_memory_utilization,
-    enforce_eager, max_num_batched_tokens and cudagraph_sizes (comma list, empty: vLLM's)."""
+    enforce_eager, max_num_batched_tokens and cudagraph_sizes (comma list, empty: vLLM's); tensor_parallel_size
+    when it has one (else 1)."""
     kwargs = dict(
         model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max(i + o for i, o, _ in scenarios) + 16,
         max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
         enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
     quantization = getattr(args, "quantization", None)
     if quantization:
@@ -153,6 +178,44 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(v) for v in args.cudagraph_sizes.split(",")]}
     return kwargs
+
+
+def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int, mla: tuple[int, int] | None = None) -> int | None:
+    """K+V bytes one token takes per KV head: the format table for turboquant_*, 2*2*head_dim for bf16/fp16/auto,
+    2*head_dim for fp8; None when unknown. MLA layers (``mla`` = (kv_lora_rank, rope_dim); one "KV head" of
+    head_dim = their sum) cache one entry per token: the format table's MLA entry, 2*head_dim for bf16, head_dim for
+    fp8."""
+    if mla is not None:
+        if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
+            return 2 * head_dim
+        if kv_cache_dtype.startswith("fp8"):
+            return head_dim
+        try:
+            from turboquant_core.formats import KV_FORMATS, mla_format
+        except ImportError:
+            return None
+        return mla_format(kv_cache_dtype, *mla).bytes_per_token() if kv_cache_dtype in KV_FORMATS else None
+    if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
+        return 2 * 2 * head_dim
+    if kv_cache_dtype.startswith("fp8"):
+        return 2 * head_dim
+    try:
+        from turboquant_core.formats import KV_FORMATS
+    except ImportError:
+        return None
+    fmt = KV_FORMATS.get(kv_cache_dtype)
+    return fmt.bytes_per_token_per_head(head_dim) if fmt else None
+
+
+def expected_kv_tokens(kv_cache_dtype: str, kv_shape: dict, kv_cache_bytes: int) -> int | None:
+    """Tokens a pool of ``kv_cache_bytes`` on one rank holds by the format table: ``kv_shape`` is the rank's (layers,
+    kv_heads, head_dim, mla: [kv_lora_rank, rope_dim] or None, as the worker records it); None for an unknown dtype.
+    Every layer is taken to cache every token (full attention)."""
+    mla = kv_shape.get("mla")
+    per_head = kv_bytes_per_token_per_head(kv_cache_dtype, kv_shape["head_dim"], tuple(mla) if mla else None)
+    if not per_head:
+        return None
+    return kv_cache_bytes // (kv_shape["layers"] * kv_shape["kv_heads"] * per_head)
 
 
 def worker_env(args: argparse.Namespace, install: str) -> dict[str, str]:
@@ -250,7 +313,11 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     running = None if args.no_engine_stats else RunningPeak.attach(llm)
-    cache = llm.llm_engine.vllm_config.cache_config
+    vc = llm.llm_engine.vllm_config
+    cache, mc, pc = vc.cache_config, vc.model_config, vc.parallel_config
+    # One rank's share of the KV cache: what the format table's bytes per token are multiplied by.
+    kv_shape = dict(layers=mc.get_num_layers(pc), kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
+                    mla=[mc.hf_text_config.kv_lora_rank, mc.hf_text_config.qk_rope_head_dim] if mc.use_mla else None)
     rng = random.Random(0)
     rows = []
     # Warm-up outside the timed region: a short prompt (prefill + decode kernels) and, where it fits, one
@@ -276,8 +343,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import vllm
 
-    result = dict(device=torch.cuda.get_device_name(0), vllm_version=vllm.__version__, startup_s=startup,
-                  num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size,
+    result = dict(device=torch.cuda.get_device_name(0), num_devices=torch.cuda.device_count(),
+                  vllm_version=vllm.__version__, startup_s=startup, tensor_parallel_size=pc.tensor_parallel_size,
+                  num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, kv_shape=kv_shape,
                   engine_stats=not args.no_engine_stats, scenarios=rows)
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
@@ -288,12 +356,13 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
            *(["--quantization", quantization] if quantization else []),
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
-           "--max-num-seqs", str(args.max_num_seqs)]
+           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.no_engine_stats:
         cmd.append("--no-engine-stats")
-    print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}", flush=True)
+    tp = f", tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}{tp}", flush=True)
     t = time.perf_counter()
     # Own process group: on a timeout the engine's worker processes go too (else they keep the GPU memory
     # and every later config fails to start).
@@ -307,18 +376,28 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
         out, err = p.communicate()
         rc = "timeout"
     (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
-    row = dict(name=name, install=install, kv_cache_dtype=dtype, wall_s=time.perf_counter() - t, returncode=rc)
+    row = dict(name=name, install=install, kv_cache_dtype=dtype, tensor_parallel_size=args.tensor_parallel_size,
+               wall_s=time.perf_counter() - t, returncode=rc)
     if quantization:
         row["quantization"] = quantization
+    # Logged once by the engine core for the whole engine (every rank holds that many tokens): not per rank summed.
     m = re.search(r"GPU KV cache size: ([\d,]+) tokens", out + err)
     if m:
         row["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+    # Logged by each rank's worker; the engine's pool is the smallest rank's.
+    per_rank = [float(v) for v in re.findall(r"Available KV cache memory: ([\d.]+) GiB", out + err)]
+    if per_rank:
+        row["kv_cache_gib_per_rank"] = min(per_rank)
     m = re.search(r"Model loading took ([\d.]+) GiB", out + err)
     if m:
         row["weight_gib"] = float(m.group(1))
     res = [ln for ln in out.splitlines() if ln.startswith("TQ_BENCH_RESULT ")]
     if res:
         row.update(json.loads(res[-1].split(" ", 1)[1]))
+        if row.get("kv_cache_gib_per_rank") and row.get("kv_shape"):
+            expected = expected_kv_tokens(dtype, row["kv_shape"], int(row["kv_cache_gib_per_rank"] * GIB))
+            if expected:
+                row["kv_capacity_expected_tokens"] = expected
     else:
         tail = [ln for ln in err.splitlines() if ln.strip()][-6:]
         row["error"] = " | ".join(tail)[-1500:]
@@ -331,34 +410,52 @@ def _opt(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _tp(row: dict) -> int:
+    """A row's tensor-parallel size (rows of runs before the option: 1)."""
+    return row.get("tensor_parallel_size", 1)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
 def summarize(rows: list[dict], baseline: str) -> str:
-    base = next((r for r in rows if r["name"] == baseline and "scenarios" in r), None)
-    head = ("| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 "
-            "| peak running | TPOT ms | TPOT ms, no prefill |")
-    lines = [head, "|" + "---|" * 11]
+    """The markdown table of a run. Each row is compared with the baseline of its own tensor-parallel size; a TP
+    column appears when any row ran on more than one GPU, a "vs format table" column (capacity over
+    ``kv_capacity_expected_tokens``) when any row has that number."""
+    bases = {_tp(r): r for r in rows if r["name"] == baseline and "scenarios" in r}
+    show_tp = any(_tp(r) != 1 for r in rows)
+    show_expected = any(r.get("kv_capacity_expected_tokens") for r in rows)
+    head = ["config", "install", *(["TP"] if show_tp else []), "kv_cache_dtype", "scenario", "output tok/s",
+            "vs bf16", "KV capacity (tokens)", "vs bf16", *(["vs format table"] if show_expected else []),
+            "peak running", "TPOT ms", "TPOT ms, no prefill"]
+
+    def line(cells: list) -> str:
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    lines = [line(head), "|" + "---|" * len(head)]
     for r in rows:
+        lead = [r["name"], r["install"], *([_tp(r)] if show_tp else []), r["kv_cache_dtype"]]
         if "scenarios" not in r:
-            lines.append(f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | - | failed |" + " - |" * 6)
+            lines.append(line(lead + ["-", "failed"] + ["-"] * (len(head) - len(lead) - 2)))
             continue
-        cap = r.get("kv_capacity_tokens")
-        bcap = base.get("kv_capacity_tokens") if base else None
+        base = bases.get(_tp(r))
+        cap, base_cap = r.get("kv_capacity_tokens"), base.get("kv_capacity_tokens") if base else None
         for i, s in enumerate(r["scenarios"]):
             bs = base["scenarios"][i]["output_tok_per_s"] if base else None
-            stats = (f" {_opt(s.get('peak_running_seqs'), 'd')} | {_opt(s.get('tpot_ms'), '.1f')} | "
-                     f"{_opt(s.get('tpot_ms_no_prefill'), '.1f')} |")
-            lines.append((
-                f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/{s['output_len']}/"
-                f"{s['batch']} | {s['output_tok_per_s']:.0f} | {s['output_tok_per_s'] / bs:.2f}x | "
-                f"{cap if cap else '-'} | {(cap / bcap) if (cap and bcap) else float('nan'):.2f}x |"
-                if bs else f"| {r['name']} | {r['install']} | {r['kv_cache_dtype']} | {s['input_len']}/"
-                f"{s['output_len']}/{s['batch']} | {s['output_tok_per_s']:.0f} | - | {cap or '-'} | - |") + stats)
+            lines.append(line(lead + [
+                f"{s['input_len']}/{s['output_len']}/{s['batch']}", f"{s['output_tok_per_s']:.0f}",
+                _ratio(s["output_tok_per_s"], bs), cap or "-", _ratio(cap, base_cap),
+                *([_ratio(cap, r.get("kv_capacity_expected_tokens"))] if show_expected else []),
+                _opt(s.get("peak_running_seqs"), "d"), _opt(s.get("tpot_ms"), ".1f"),
+                _opt(s.get("tpot_ms_no_prefill"), ".1f")]))
     weights = [r for r in rows if r.get("weight_gib")]
-    if weights:  # the weights suite: model memory as vLLM reports it after loading
-        bw = base.get("weight_gib") if base else None
+    if weights:  # the weights suite: model memory as vLLM reports it after loading (one rank's under TP)
         lines += ["", "| config | --quantization | weights GiB | vs bf16 |", "|---|---|---|---|"]
-        lines += [f"| {r['name']} | {r.get('quantization') or '-'} | {r['weight_gib']:.2f} | "
-                  f"{r['weight_gib'] / bw:.3f} |" if bw else
-                  f"| {r['name']} | {r.get('quantization') or '-'} | {r['weight_gib']:.2f} | - |" for r in weights]
+        for r in weights:
+            bw = bases[_tp(r)].get("weight_gib") if _tp(r) in bases else None
+            lines.append(line([r["name"], r.get("quantization") or "-", f"{r['weight_gib']:.2f}",
+                               f"{r['weight_gib'] / bw:.3f}" if bw else "-"]))
     return "\n".join(lines)
 
 
@@ -451,6 +548,8 @@ def main(argv=None) -> int:
                     help="comma list of INxOUTxBATCH or names: "
                          + ", ".join(f"{k}={v}" for k, v in NAMED_SCENARIOS.items()))
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's max_num_seqs (0: the largest batch)")
+    ap.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                    help="GPUs each config's engine is spread over (vLLM's tensor_parallel_size; default 1)")
     ap.add_argument("--baseline", default="bf16", help="config name the ratios are taken against")
     ap.add_argument("--pythonpath-stock", default="")
     ap.add_argument("--pythonpath-patched", default="")
@@ -490,7 +589,13 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     if args.resume and out.exists():
-        rows = [r for r in json.loads(out.read_text())["results"] if "scenarios" in r]
+        earlier = json.loads(out.read_text())
+        # Capacities and ratios compare engines of one tensor-parallel size: do not mix sizes in one file.
+        if earlier.get("tensor_parallel_size", 1) != args.tensor_parallel_size:
+            raise SystemExit(f"--resume: {out} was run with --tensor-parallel-size "
+                             f"{earlier.get('tensor_parallel_size', 1)}, this run has {args.tensor_parallel_size}; "
+                             "give another --out")
+        rows = [r for r in earlier["results"] if "scenarios" in r]
     done = {r["name"] for r in rows}
     for name, install, dtype, quantization in configs:
         if name in done:
@@ -498,7 +603,8 @@ def main(argv=None) -> int:
             continue
         rows.append(run_config(args, name, install, dtype, log_dir, quantization))
         doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
-                   model=args.model, scenarios=args.scenarios, results=rows)
+                   model=args.model, scenarios=args.scenarios, tensor_parallel_size=args.tensor_parallel_size,
+                   results=rows)
         out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has
     table = summarize(rows, args.baseline)
     out.with_suffix(".md").write_text(table + "\n")

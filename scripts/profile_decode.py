@@ -286,30 +286,9 @@ def summarize_timeline(steps: list[dict]) -> dict:
 
 
 def kv_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int, mla: tuple[int, int] | None = None) -> int | None:
-    """K+V bytes one token takes per KV head: the format table for turboquant_*, 2*2*head_dim for bf16/fp16/auto,
-    2*head_dim for fp8; None when unknown. MLA layers (``mla`` = (kv_lora_rank, rope_dim); one "KV head" of
-    head_dim = their sum) cache one entry per token: the format table's MLA entry, 2*head_dim for bf16, head_dim for
-    fp8."""
-    if mla is not None:
-        if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
-            return 2 * head_dim
-        if kv_cache_dtype.startswith("fp8"):
-            return head_dim
-        try:
-            from turboquant_core.formats import KV_FORMATS, mla_format
-        except ImportError:
-            return None
-        return mla_format(kv_cache_dtype, *mla).bytes_per_token() if kv_cache_dtype in KV_FORMATS else None
-    if kv_cache_dtype in ("auto", "bfloat16", "float16", "half"):
-        return 2 * 2 * head_dim
-    if kv_cache_dtype.startswith("fp8"):
-        return 2 * head_dim
-    try:
-        from turboquant_core.formats import KV_FORMATS
-    except ImportError:
-        return None
-    fmt = KV_FORMATS.get(kv_cache_dtype)
-    return fmt.bytes_per_token_per_head(head_dim) if fmt else None
+    """K+V bytes one token takes per KV head (one latent entry per token for MLA layers, ``mla`` = (kv_lora_rank,
+    rope_dim)): bench_throughput's, which sizes its expected KV capacity with them."""
+    return _bench().kv_bytes_per_token_per_head(kv_cache_dtype, head_dim, mla)
 
 
 def hardware_limits(*, running: float, mean_context: float, layers: int, kv_heads: int, head_dim: int,

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""scripts/bench_throughput.py without a GPU: config and scenario names, the report and the concurrency-sweep plot."""
+"""scripts/bench_throughput.py without a GPU: config and scenario names, the report and the concurrency-sweep plot,
+--tensor-parallel-size from the command line to the engine, the results file and the table."""
 
 import argparse
 import importlib.util
@@ -107,10 +108,11 @@ def test_engine_kwargs_and_env(bench, monkeypatch):
     kw = bench.engine_kwargs(args, bench.parse_scenarios("S1,S2"))
     assert kw == dict(model="m", load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype="turboquant_k3v4_nc",
                       max_model_len=2048 + 512 + 16, max_num_seqs=384, gpu_memory_utilization=0.9,
-                      enable_prefix_caching=False, seed=0, enforce_eager=False, max_num_batched_tokens=8192)
-    args.max_num_seqs, args.cudagraph_sizes = 512, "32,64"
+                      enable_prefix_caching=False, seed=0, enforce_eager=False, max_num_batched_tokens=8192,
+                      tensor_parallel_size=1)  # args without the option (scripts/profile_decode.py's): one GPU
+    args.max_num_seqs, args.cudagraph_sizes, args.tensor_parallel_size = 512, "32,64", 2
     kw = bench.engine_kwargs(args, bench.parse_scenarios("S1"))
-    assert kw["max_num_seqs"] == 512 and kw["max_model_len"] == 1024 + 256 + 16
+    assert kw["max_num_seqs"] == 512 and kw["max_model_len"] == 1024 + 256 + 16 and kw["tensor_parallel_size"] == 2
     assert kw["compilation_config"] == {"cudagraph_capture_sizes": [32, 64]}
     import os
 
@@ -169,3 +171,112 @@ def test_summary_shows_peak_running_and_tpot(bench):
     failed = bench.summarize([dict(name="x", install="patched", kv_cache_dtype="auto")], "bf16")
     assert failed.splitlines()[2] == "| x | patched | auto | - | failed | - | - | - | - | - | - |"
     assert all(line.count("|") == 12 for line in table.splitlines() + failed.splitlines())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --tensor-parallel-size
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_tensor_parallel_size_must_be_positive(bench, tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--model", "unused", "--tensor-parallel-size", bad, "--out", str(tmp_path / "x.json")])
+    assert exc.value.code == 2
+    assert f"--tensor-parallel-size: expected a positive integer, got '{bad}'" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_expected_kv_tokens_from_the_format_table(bench):
+    qwen3_8b_tp2 = dict(layers=36, kv_heads=4, head_dim=128, mla=None)  # 8 KV heads over two ranks
+    pool = 30 << 30
+    assert bench.expected_kv_tokens("auto", qwen3_8b_tp2, pool) == pool // (36 * 4 * 512)
+    assert bench.expected_kv_tokens("fp8", qwen3_8b_tp2, pool) == pool // (36 * 4 * 256)
+    k3v4 = KV_FORMATS["turboquant_k3v4_nc"].bytes_per_token_per_head(128)
+    assert bench.expected_kv_tokens("turboquant_k3v4_nc", qwen3_8b_tp2, pool) == pool // (36 * 4 * k3v4)
+    # The same pool on a rank holding all eight heads holds half the tokens.
+    one_gpu = dict(qwen3_8b_tp2, kv_heads=8)
+    assert bench.expected_kv_tokens("auto", one_gpu, pool) == pool // (36 * 8 * 512)
+    mla = dict(layers=27, kv_heads=1, head_dim=576, mla=[512, 64])  # one latent entry per token and layer
+    assert bench.expected_kv_tokens("auto", mla, pool) == pool // (27 * 1152)
+    assert bench.expected_kv_tokens("nonsense", qwen3_8b_tp2, pool) is None
+
+
+class _FakeWorker:
+    """subprocess.Popen for run_config: records the command, answers as a worker of a two-GPU engine would (vLLM's log
+    lines of both ranks, then the result line)."""
+
+    commands: list[list[str]] = []
+
+    def __init__(self, cmd, **kwargs):
+        self.commands.append(cmd)
+        self.pid, self.returncode = 0, 0
+        self.dtype = cmd[cmd.index("--kv-cache-dtype") + 1]
+        self.tp = int(cmd[cmd.index("--tensor-parallel-size") + 1])
+
+    def communicate(self, timeout=None):
+        shape = dict(layers=36, kv_heads=8 // self.tp, head_dim=128, mla=None)
+        pool_gib = {0: 30.12, 1: 30.05}  # per rank; the engine's pool is the smaller
+        per_head = {"auto": 512}.get(self.dtype) or KV_FORMATS[self.dtype].bytes_per_token_per_head(128)
+        tokens = int(30.05 * (1 << 30)) // (36 * shape["kv_heads"] * per_head) // 16 * 16
+        log = [f"(Worker_TP{r} pid=1{r}) INFO [gpu_worker.py:561] Available KV cache memory: {g} GiB"
+               for r, g in pool_gib.items() if r < self.tp]
+        log.append(f"(EngineCore pid=9) INFO [kv_cache_utils.py:2177] GPU KV cache size: {tokens:,} tokens")
+        result = dict(device="H100", num_devices=2, tensor_parallel_size=self.tp, num_gpu_blocks=tokens // 16,
+                      block_size=16, kv_shape=shape, scenarios=[
+                          dict(input_len=100, output_len=10, batch=2, output_tok_per_s=50.0 * per_head ** -0.1)])
+        return "\n".join(log + ["TQ_BENCH_RESULT " + json.dumps(result)]), ""
+
+
+def test_tensor_parallel_size_reaches_every_worker_and_the_results(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    _FakeWorker.commands.clear()
+    out = tmp_path / "tp2.json"
+    assert bench.main(["--model", "m", "--configs", "bf16,ours-k3v4", "--scenarios", "100x10x2",
+                       "--tensor-parallel-size", "2", "--out", str(out)]) == 0
+    assert len(_FakeWorker.commands) == 2
+    for cmd in _FakeWorker.commands:
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--worker" in cmd
+    doc = json.loads(out.read_text())
+    assert doc["tensor_parallel_size"] == 2
+    bf16, ours = doc["results"]
+    for row in (bf16, ours):
+        assert row["tensor_parallel_size"] == 2 and row["kv_cache_gib_per_rank"] == 30.05
+        # vLLM's number is the engine's (one rank's pool, every rank holding every token), recorded as logged
+        assert row["kv_capacity_tokens"] == row["num_gpu_blocks"] * 16
+        assert abs(row["kv_capacity_tokens"] / row["kv_capacity_expected_tokens"] - 1) < 0.001
+    k3v4 = KV_FORMATS["turboquant_k3v4_nc"].bytes_per_token_per_head(128)
+    assert ours["kv_capacity_expected_tokens"] == int(30.05 * (1 << 30)) // (36 * 4 * k3v4)
+    table = out.with_suffix(".md").read_text().splitlines()
+    assert table[0].startswith("| config | install | TP | kv_cache_dtype | scenario |")
+    assert "| KV capacity (tokens) | vs bf16 | vs format table |" in table[0]
+    ratio = ours["kv_capacity_tokens"] / bf16["kv_capacity_tokens"]
+    assert table[3].startswith("| ours-k3v4 | patched | 2 | turboquant_k3v4_nc | 100/10/2 |")
+    assert f"| {ours['kv_capacity_tokens']} | {ratio:.2f}x | 1.00x |" in table[3]
+
+
+def test_resume_keeps_one_tensor_parallel_size_per_file(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    out = tmp_path / "run.json"
+    assert bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["tensor_parallel_size"] == 1
+    with pytest.raises(SystemExit, match="was run with --tensor-parallel-size 1, this run has 2"):
+        bench.main(["--model", "m", "--configs", "bf16,ours-k3v4", "--scenarios", "100x10x2", "--resume",
+                    "--tensor-parallel-size", "2", "--out", str(out)])
+
+
+def test_summary_compares_each_tensor_parallel_size_with_its_own_baseline(bench):
+    def row(name, tp, cap, rate):
+        return dict(name=name, install="patched", kv_cache_dtype=name, tensor_parallel_size=tp, kv_capacity_tokens=cap,
+                    scenarios=[dict(input_len=2048, output_len=512, batch=384, output_tok_per_s=rate)])
+    rows = [row("bf16", 1, 100_000, 1000.0), row("ours-k3v4", 1, 445_000, 1400.0),
+            row("bf16", 2, 440_000, 1800.0), row("ours-k3v4", 2, 1_958_000, 1800.0)]
+    table = bench.summarize(rows, "bf16").splitlines()
+    assert table[0].startswith("| config | install | TP | kv_cache_dtype |") and "vs format table" not in table[0]
+    assert table[3] == ("| ours-k3v4 | patched | 1 | ours-k3v4 | 2048/512/384 | 1400 | 1.40x | 445000 | 4.45x "
+                        "| - | - | - |")
+    assert table[5] == ("| ours-k3v4 | patched | 2 | ours-k3v4 | 2048/512/384 | 1800 | 1.00x | 1958000 | 4.45x "
+                        "| - | - | - |")
+    # One size only, as every run before the option: the table as it was, no TP column.
+    assert bench.summarize([dict(r, tensor_parallel_size=1) for r in rows[:2]], "bf16").splitlines()[0] == (
+        "| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 "
+        "| peak running | TPOT ms | TPOT ms, no prefill |")
