@@ -201,6 +201,7 @@ def _serve(config: dict) -> dict:
     result = {"turboquant": str(getattr(vllm_config.cache_config, "turboquant", None)),
               "skip_layers": list(vllm_config.cache_config.kv_cache_dtype_skip_layers),
               "block_size": vllm_config.cache_config.block_size,
+              "num_gpu_blocks": vllm_config.cache_config.num_gpu_blocks,
               "num_hidden_layers": vllm_config.model_config.hf_text_config.num_hidden_layers, "phases": []}
     inprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if config.get("inspect_layers"):
@@ -236,7 +237,8 @@ def _serve(config: dict) -> dict:
 
 
 def run_engine(tmp_path: Path, **config) -> dict:
-    """Run one engine configuration in a child process; its result (see ``_serve``)."""
+    """Run one engine configuration in a child process; its result (see ``_serve``), with ``log``: the file holding
+    the child's stdout and stderr (the engine's and its workers' log lines)."""
     blob = json.dumps(config, sort_keys=True)
     key = hashlib.sha1(blob.encode()).hexdigest()[:16]
     cfg, out = tmp_path / f"config-{key}.json", tmp_path / f"result-{key}.json"
@@ -246,9 +248,11 @@ def run_engine(tmp_path: Path, **config) -> dict:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     res = subprocess.run([sys.executable, __file__, str(cfg), str(out)], env=env, capture_output=True, text=True,
                          timeout=1800)
+    log = tmp_path / f"log-{key}.txt"
+    log.write_text(res.stdout + "\n--- stderr ---\n" + res.stderr)
     short = {**config, "phases": [f"{ph.get('name')}: {len(ph['prompts'])} prompts" for ph in config["phases"]]}
     assert res.returncode == 0, f"{short}\n{res.stdout[-3000:]}\n{res.stderr[-8000:]}"
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "log": str(log)}
 
 
 @pytest.fixture(scope="module")
