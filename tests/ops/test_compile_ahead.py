@@ -95,6 +95,16 @@ def test_a_variant_that_cannot_compile_is_reported_not_raised():
     assert len(failed) == 1 and failed[0].startswith("no_such_kernel: AttributeError")
 
 
+def test_workers_past_the_deadline_are_stopped_and_their_variants_left_to_the_engine():
+    import time
+
+    bad = KernelVariant("turboquant_core.kernels.paged_decode_jit", "no_such_kernel", "{}", ("cuda", 90, 32))
+    t0 = time.monotonic()
+    failed = compile_in_workers([bad, bad], workers=1, timeout_s=0.05)  # before the worker has imported anything
+    assert failed == ["no_such_kernel: not compiled within 0 s"] * 2
+    assert time.monotonic() - t0 < 5.0
+
+
 def test_variant_json_round_trip_and_worker_count():
     v = KernelVariant("m", "f", json.dumps({"name": "m.f"}), ("cuda", 90, 32))
     assert KernelVariant.from_json(v.to_json()) == v

@@ -173,51 +173,62 @@ def default_workers(ranks_per_node: int = 1) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(1, ranks_per_node)))
 
 
-def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 600.0) -> list[str]:
+def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 300.0) -> list[str]:
     """Compile ``variants`` in ``workers`` processes (at most one per variant), each taking the next variant as it
-    finishes one. Returns one line per variant that failed (the engine compiles those itself)."""
-    jobs: queue.Queue[KernelVariant] = queue.Queue()
-    for v in variants:
-        jobs.put(v)
-    failed: list[str] = []
+    finishes one. Returns one line per variant that failed or was not compiled within ``timeout_s`` (the engine
+    compiles those itself); workers still running then are stopped."""
+    jobs: queue.Queue[int] = queue.Queue()
+    for i in range(len(variants)):
+        jobs.put(i)
+    outcome: dict[int, str | None] = {}  # variant -> None (compiled) or why not
     lock = threading.Lock()
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU; a worker must not open a context on one
+    # The modules this process imported, from the same places (a function's source is part of its cache key).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     deadline = time.monotonic() + timeout_s
+    procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+             for _ in range(max(1, min(workers, len(variants))))]
 
-    def serve() -> None:
-        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+    def serve(proc: subprocess.Popen) -> None:
         try:
             while time.monotonic() < deadline:
                 try:
-                    v = jobs.get_nowait()
+                    i = jobs.get_nowait()
                 except queue.Empty:
                     return
-                proc.stdin.write(v.to_json() + "\n")
+                proc.stdin.write(variants[i].to_json() + "\n")
                 proc.stdin.flush()
                 line = proc.stdout.readline()
-                result = json.loads(line) if line else {"ok": False, "error": "worker exited"}
-                if not result["ok"]:
-                    with lock:
-                        failed.append(f"{v.name}: {result['error']}")
-                    if not line:
-                        return
+                gone = f"not compiled within {timeout_s:.0f} s" if time.monotonic() >= deadline else "worker exited"
+                result = json.loads(line) if line else {"ok": False, "error": gone}
+                with lock:
+                    outcome[i] = None if result["ok"] else result["error"]
+                if not line:
+                    return
+        except (OSError, ValueError):  # a worker gone or stopped at the deadline: its variant counts as not compiled
+            pass
         finally:
-            proc.stdin.close()
             try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                proc.stdin.close()
+            except OSError:
+                pass
 
-    threads = [threading.Thread(target=serve, daemon=True) for _ in range(max(1, min(workers, len(variants))))]
+    threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in procs]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 5.0)
-    while not jobs.empty():
-        failed.append(f"{jobs.get_nowait().name}: not compiled within {timeout_s:.0f} s")
-    return failed
+        t.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    with lock:
+        return [f"{v.name}: {outcome[i]}" if i in outcome else f"{v.name}: not compiled within {timeout_s:.0f} s"
+                for i, v in enumerate(variants) if outcome.get(i, "") is not None]
 
 
 def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadReport:
