@@ -35,8 +35,7 @@ class TQConfig:
         at the strict regime's quality (``tq eval-ppl``), lower than the default's at 3-bit keys.
     compile_workers: processes that compile the kernel variants at start-up, in parallel, before the warm-up runs
         them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks
-        (at most 16);
-        1 compiles them one after another in the engine process.
+        (at most 16); 1 compiles them one after another in the engine process.
     """
 
     key_centering: bool = True
