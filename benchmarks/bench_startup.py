@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,12 +111,16 @@ def run_one(args, run: dict, cache_root: Path, log_dir: Path) -> dict:
     if run["compile_workers"] is not None:
         cmd += ["--compile-workers", str(run["compile_workers"])]
     t = time.perf_counter()
+    # Own process group: on a timeout the engine's worker processes go too (they hold the GPU's memory).
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        out, err, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, err, rc = e.stdout or "", e.stderr or "", "timeout"
-        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+        out, err = p.communicate(timeout=args.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        rc = "timeout"
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run["run"])
     (log_dir / f"{len(list(log_dir.iterdir())):02d}-{safe}.log").write_text(out + "\n--- stderr ---\n" + err)
     row = dict(run, returncode=rc, wall_s=time.perf_counter() - t, **log_numbers(out + err))
