@@ -31,12 +31,14 @@ import datetime as dt
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from bench_throughput import run_engine_process  # noqa: E402
 
 DEFAULT_RUNS = "bf16,ours-k3v4/1,ours-k3v4/0,ours-k3v4/0:warm,bf16:warm"
 AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled by "
@@ -111,16 +113,7 @@ def run_one(args, run: dict, cache_root: Path, log_dir: Path) -> dict:
     if run["compile_workers"] is not None:
         cmd += ["--compile-workers", str(run["compile_workers"])]
     t = time.perf_counter()
-    # Own process group: on a timeout the engine's worker processes go too (they hold the GPU's memory).
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=args.timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        rc = "timeout"
+    out, err, rc = run_engine_process(cmd, env, args.timeout)
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run["run"])
     (log_dir / f"{len(list(log_dir.iterdir())):02d}-{safe}.log").write_text(out + "\n--- stderr ---\n" + err)
     row = dict(run, returncode=rc, wall_s=time.perf_counter() - t, **log_numbers(out + err))

@@ -350,6 +350,21 @@ def worker(args: argparse.Namespace) -> None:
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
 
+def run_engine_process(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, str, int | str]:
+    """(stdout, stderr, return code or "timeout") of one engine's subprocess, run in its own process group: on a
+    timeout the engine's worker processes go too (else they keep the GPU memory and every later config fails to
+    start)."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return out, err, p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return out, err, "timeout"
+
+
 def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantization: str | None = None) -> dict:
     env = worker_env(args, install)
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
@@ -364,17 +379,7 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
     tp = f", tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}{tp}", flush=True)
     t = time.perf_counter()
-    # Own process group: on a timeout the engine's worker processes go too (else they keep the GPU memory
-    # and every later config fails to start).
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=args.timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        rc = "timeout"
+    out, err, rc = run_engine_process(cmd, env, args.timeout)
     (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
     row = dict(name=name, install=install, kv_cache_dtype=dtype, tensor_parallel_size=args.tensor_parallel_size,
                wall_s=time.perf_counter() - t, returncode=rc)
