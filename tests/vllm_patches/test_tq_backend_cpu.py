@@ -321,8 +321,7 @@ def test_warmup_compiles_ahead_then_runs_every_layer_variant_of_every_group(cpu_
     runner.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(turboquant=TQConfig(compile_workers=1)))
     warmup.warmup_tq_attention(runner)  # --tq-compile-workers 1
     assert ahead == [compile_ahead.default_workers(2), 1]
-    calls = calls[:4]
     ptr = caches[LAYERS[0]].data_ptr()
-    # recorded inside compile_ahead, then for real; the centred and the plain variant each time
-    assert calls == [(p, ptr, torch.bfloat16, c) for p in ("ahead", "real") for c in (True, False)]
+    # each start: recorded inside compile_ahead, then for real; the centred and the plain variant each time
+    assert calls == [(p, ptr, torch.bfloat16, c) for p in ("ahead", "real") for c in (True, False)] * 2
     assert builder.kept_center_sums is not None and list(builder.kept_center_sums.layers) == [LAYERS[0]]
