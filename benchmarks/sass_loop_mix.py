@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Instruction mix of a kernel's main loop in its sm_90 SASS, on a machine without a GPU: how many instructions of
+each kind one iteration issues (for the decode kernel: per 16-token tile and thread). Kernels bound by an issue pipe
+(the register-tile decode loop is bound by its ALU pipe) get faster as these counts fall, so a change can be weighed
+here before it is timed on a GPU.
+
+The launches of one serving configuration's start-up warm-up (``ops.kernel_warmup``, as the vLLM backend warms up by
+default) go through Triton's own launch path with a stand-in sm_90 driver (``tests/ops/sm90_probe.Sm90Driver``); the
+variants of ``--kernel`` are compiled with Triton's bundled ptxas and read with its cuobjdump. The loop is the longest
+backward branch's body.
+
+    python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --out decode-mix.json
+    python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --centred --out decode-mix-centred.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
+# Pipes of the ops the decode loop issues (sm_90): ALU for logic, permutes, shifts, compares and integer adds; FMA for
+# float and integer multiply-adds; the uniform datapath for U* ops (one value per warp); the rest named by what they
+# do.
+PIPE = {"PRMT": "alu", "LOP3": "alu", "SHF": "alu", "IADD3": "alu", "ISETP": "alu", "FSEL": "alu", "SEL": "alu",
+        "FMNMX": "alu", "LEA": "alu", "VIADD": "alu", "SGXT": "alu", "FSETP": "alu", "PLOP3": "alu",
+        "IMAD": "fma", "FMUL": "fma", "FFMA": "fma", "FADD": "fma", "HADD2": "fma", "HFMA2": "fma", "HMUL2": "fma",
+        "HMMA": "tensor", "MOVM": "tensor", "LDG": "memory", "LDS": "memory", "STS": "memory", "LDSM": "memory",
+        "SHFL": "memory", "LDC": "memory", "MUFU": "xu", "FRND": "xu", "F2FP": "alu", "VIMNMX": "alu",
+        "BRA": "control", "BSSY": "control", "BSYNC": "control"}
+
+CHILD = r'''
+import json, sys
+import torch
+from triton.runtime.driver import driver
+
+from tests.ops.sm90_probe import Sm90Driver
+
+driver.set_active(Sm90Driver())
+from turboquant_core.ops import paged_decode
+from turboquant_core.ops.compile_ahead import compile_variant, recording_variants
+from turboquant_core.ops.key_centering import key_centering_tables
+from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
+
+paged_decode._gluon_runs = lambda device: True
+preset, d, hq, hkv, centred, kernel = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5] == "1", sys.argv[6]
+bs = 16
+layout = paged_layout(preset, head_dim=d, block_size=bs)
+cache = allocate_kv_cache(64, hkv, layout)
+cent = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, bs, 8192) \
+    if centred else None
+with recording_variants() as found:
+    warmup_kernels(cache, layout, hq, hkv, dtype=torch.bfloat16, centering=cent, paths=("decode", "context"))
+names = sorted({v.name for v in found.values()})
+out = []
+for i, v in enumerate(v for v in found.values() if v.name == kernel):
+    path = sys.argv[7] + f"-{i}.cubin"
+    with open(path, "wb") as f:
+        f.write(compile_variant(v).asm["cubin"])
+    out.append(path)
+print(json.dumps(dict(kernels=names, cubins=out)))
+'''
+
+
+def loop_mix(sass: str) -> dict:
+    """{instructions, ops: {op: count}, pipes: {pipe: count}} of the longest backward branch's body of one SASS
+    listing (addresses in bytes, 16 per instruction)."""
+    lines = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
+    best = None
+    for addr, op, line in lines:
+        if op != "BRA":
+            continue
+        m = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1])
+        if m and int(m.group(1), 16) < addr and (best is None or addr - int(m.group(1), 16) > best[1] - best[0]):
+            best = (int(m.group(1), 16), addr)
+    if best is None:
+        return dict(instructions=0, ops={}, pipes={})
+    ops = collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
+    pipes = collections.Counter()
+    for op, n in ops.items():
+        pipes[PIPE.get(op, "uniform" if op.startswith("U") or op == "R2UR" else "other")] += n
+    return dict(instructions=sum(ops.values()), ops=dict(ops.most_common()), pipes=dict(pipes.most_common()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", default="tq_paged_decode_kernel")
+    ap.add_argument("--preset", default="turboquant_k3v4_nc")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--q-heads", type=int, default=32, help="query heads (Qwen3-8B: 32)")
+    ap.add_argument("--kv-heads", type=int, default=8, help="KV heads (Qwen3-8B: 8)")
+    ap.add_argument("--centred", action="store_true", help="keys stored with key centering (the serving default)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    scratch = tempfile.mkdtemp(prefix="sass-mix-")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=os.path.join(scratch, "c"))
+    p = subprocess.run([sys.executable, "-c", CHILD, args.preset, str(args.head_dim), str(args.q_heads),
+                        str(args.kv_heads), "1" if args.centred else "0", args.kernel, os.path.join(scratch, "k")],
+                       env=env, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        raise SystemExit(p.stderr[-3000:])
+    found = json.loads(p.stdout.strip().splitlines()[-1])
+    if not found["cubins"]:
+        raise SystemExit(f"the warm-up launches no {args.kernel}; it launches {', '.join(found['kernels'])}")
+    variants = []
+    for cubin in found["cubins"]:
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        variants.append(loop_mix(sass))
+    args.out.write_text(json.dumps(dict(
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        kernel=args.kernel, preset=args.preset, head_dim=args.head_dim, q_heads=args.q_heads, kv_heads=args.kv_heads,
+        centred=args.centred, target="sm_90", variants=variants), indent=1))
+    for i, v in enumerate(variants):
+        print(f"{args.kernel} variant {i}: loop of {v['instructions']} instructions; pipes {v['pipes']}; "
+              f"ops {dict(list(v['ops'].items())[:10])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
