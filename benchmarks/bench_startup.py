@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_throughput import run_engine_process  # noqa: E402
+from bench_throughput import config_names, run_engine_process  # noqa: E402
 
 DEFAULT_RUNS = "bf16,ours-k3v4/1,ours-k3v4/0,ours-k3v4/0:warm,bf16:warm"
 AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled by "
@@ -52,13 +52,13 @@ def parse_run(text: str) -> dict:
     if mode not in ("", "warm"):
         raise SystemExit(f"bad run {text!r}: the only suffix is ':warm'")
     name, _, workers = spec.partition("/")
+    ours = {n: dtype for n, (install, dtype) in config_names().items() if n.startswith("ours-")}
     if name == "bf16":
         dtype = "auto"
-    elif name.startswith("ours-"):
-        short = name.removeprefix("ours-")
-        dtype = f"turboquant_{short}" + ("" if short == "k8v4" else "_nc")
+    elif name in ours:
+        dtype = ours[name]
     else:
-        raise SystemExit(f"bad run {text!r}: expected bf16 or ours-<preset> (e.g. ours-k3v4)")
+        raise SystemExit(f"bad run {text!r}: expected bf16 or one of {', '.join(ours)}")
     if workers and name == "bf16":
         raise SystemExit(f"bad run {text!r}: bf16 compiles no TurboQuant kernels, so takes no /WORKERS")
     try:
@@ -67,11 +67,6 @@ def parse_run(text: str) -> dict:
         raise SystemExit(f"bad run {text!r}: WORKERS must be an integer >= 0") from None
     if count is not None and count < 0:
         raise SystemExit(f"bad run {text!r}: WORKERS must be an integer >= 0")
-    if dtype != "auto":
-        from turboquant_core.formats import format_names
-
-        if dtype not in format_names():
-            raise SystemExit(f"bad run {text!r}: {dtype} is not a preset ({', '.join(format_names())})")
     return dict(run=text.strip(), name=name, kv_cache_dtype=dtype, compile_workers=count, warm=mode == "warm")
 
 
