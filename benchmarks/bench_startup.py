@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_throughput import config_names, run_engine_process  # noqa: E402
 
 DEFAULT_RUNS = "bf16,ours-k3v4/1,ours-k3v4/0,ours-k3v4/0:warm,bf16:warm"
-AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled by "
-                      r"(\d+) processes in ([\d.]+) s")
-LAUNCH_RE = re.compile(r"TurboQuant attention: (\d+) kernel launches compiled or loaded in ([\d.]+) s")
+AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled "
+                      r"\((\d+) with their launchers\) by (\d+) processes in ([\d.]+) s")
+LAUNCH_RE = re.compile(r"TurboQuant attention: (\d+) kernel launches in ([\d.]+) s \((\d+) variants loaded from the "
+                       r"cache, (\d+) compiled here")
 
 
 def parse_run(text: str) -> dict:
@@ -71,16 +72,17 @@ def parse_run(text: str) -> dict:
 
 
 def log_numbers(log: str) -> dict:
-    """The TurboQuant start-up lines of an engine log: compile-ahead variants / cached / compiled / processes /
-    seconds and the warm-up's launches / seconds (absent for bf16)."""
+    """The TurboQuant start-up lines of an engine log: compile-ahead variants / cached / compiled / launchers built /
+    processes / seconds and the warm-up's launches / seconds / variants loaded / compiled (absent for bf16)."""
     out = {}
     m = AHEAD_RE.search(log)
     if m:
-        out.update(variants=int(m[1]), cached=int(m[2]), compiled_ahead=int(m[3]), compile_processes=int(m[4]),
-                   compile_ahead_s=float(m[5]))
+        out.update(variants=int(m[1]), cached=int(m[2]), compiled_ahead=int(m[3]), launchers_ahead=int(m[4]),
+                   compile_processes=int(m[5]), compile_ahead_s=float(m[6]))
     m = LAUNCH_RE.search(log)
     if m:
-        out.update(warmup_launches=int(m[1]), warmup_s=float(m[2]))
+        out.update(warmup_launches=int(m[1]), warmup_s=float(m[2]), warmup_loaded=int(m[3]),
+                   warmup_compiled=int(m[4]))
     return out
 
 

@@ -25,11 +25,13 @@ def test_runs_parse_and_bad_ones_name_the_valid_forms():
 
 
 def test_log_numbers_read_the_warmups_own_lines():
-    report = CompileAheadReport(variants=19, cached=2, compiled=17, workers=16, compile_s=7.4)
+    report = CompileAheadReport(variants=19, cached=2, compiled=17, launchers=17, workers=16, compile_s=7.4)
     log = (f"INFO 11-26 [warmup.py:1] TurboQuant attention: {report.describe()}\n"
-           "INFO 11-26 [warmup.py:2] TurboQuant attention: 26 kernel launches compiled or loaded in 1.4 s\n")
-    assert bench_startup.log_numbers(log) == dict(variants=19, cached=2, compiled_ahead=17, compile_processes=16,
-                                                  compile_ahead_s=7.4, warmup_launches=26, warmup_s=1.4)
+           "INFO 11-26 [warmup.py:2] TurboQuant attention: 26 kernel launches in 1.4 s (19 variants loaded from the "
+           "cache, 0 compiled here)\n")
+    assert bench_startup.log_numbers(log) == dict(variants=19, cached=2, compiled_ahead=17, launchers_ahead=17,
+                                                  compile_processes=16, compile_ahead_s=7.4, warmup_launches=26,
+                                                  warmup_s=1.4, warmup_loaded=19, warmup_compiled=0)
     assert bench_startup.log_numbers("bf16 engine log") == {}
 
 

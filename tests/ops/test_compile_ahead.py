@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ops.compile_ahead`` on a machine without a GPU: a warm-up's launches recorded through Triton's own launch path
 (a stand-in driver reports an sm_90 device, so the binder specializes the real arguments as on a GPU), compiled by
-worker processes into a fresh on-disk cache, and then found there by Triton's own compile path for each variant, so
-that the engine's real launches load instead of compiling."""
+worker processes into a fresh on-disk cache with their host-side launchers, and then found there by Triton's own
+compile path and launcher build for each variant, so that the engine's real launches load instead of compiling.
+
+The launchers are C extensions linked against libcuda: a library named libcuda.so.1 whose driver functions do nothing
+(``TRITON_LIBCUDA_PATH``) stands in for the driver's here, so they build and load; none is called."""
 
 import json
 import os
@@ -33,7 +36,9 @@ from tests.ops.sm90_probe import Sm90Driver
 driver.set_active(Sm90Driver())
 
 from turboquant_core.ops import paged_decode
-from turboquant_core.ops.compile_ahead import compile_ahead, is_cached, recording_variants, _jit_function
+from triton.backends.nvidia.driver import CudaLauncher
+from turboquant_core.ops.compile_ahead import (compile_ahead, counting_compiles, is_cached, recording_variants,
+                                               _jit_function)
 from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
 
 paged_decode._gluon_runs = lambda device: True  # plan as on a GPU: decode takes the register-tile kernels
@@ -59,18 +64,41 @@ second = compile_ahead(warm, workers=2)
 # Triton's own compile path from each recorded specialization (what a launch runs on a cache miss): a cache hit,
 # nothing new written.
 t0 = time.perf_counter()
-for v in variants:
-    _jit_function(v).preload(v.specialization)
+with counting_compiles() as count:
+    kernels = [_jit_function(v).preload(v.specialization) for v in variants]
+# and the launcher each kernel's first load on a GPU builds (CompiledKernel._init_handles)
+for k in kernels:
+    CudaLauncher(k.src, k.metadata)
 print(json.dumps(dict(
     first=first.__dict__, second=second.__dict__, names=sorted(v.name for v in variants),
     cached=[is_cached(v) for v in variants], files=len(files), new_files=sorted(set(cache_files()) - set(files)),
-    preload_s=time.perf_counter() - t0)))
+    loaded=count.loaded, compiled=count.compiled, preload_s=time.perf_counter() - t0)))
 '''
+
+
+def _stand_in_libcuda(folder: Path) -> Path:
+    """A shared library as libcuda.so.1 (and libcuda.so, for the linker) that defines, as functions doing nothing,
+    every driver entry point named in Triton's NVIDIA launcher source, built with the system's C compiler as Triton
+    builds its launchers."""
+    import re
+
+    import triton.backends.nvidia.driver as nvidia_driver
+
+    names = sorted(set(re.findall(r"\bcu[A-Z]\w*", Path(nvidia_driver.__file__).read_text())))
+    folder.mkdir()
+    src = folder / "stand_in.c"
+    src.write_text("".join(f"int {n}(void) {{ return 1; }}\n" for n in names))
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(src)], check=True)
+    (folder / "libcuda.so").symlink_to("libcuda.so.1")
+    return folder
 
 
 @pytest.mark.slow
 def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               TRITON_LIBCUDA_PATH=libcuda,
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -82,17 +110,20 @@ def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp
                                    "tq_merge_unrotate_kernel"])
     assert first["variants"] == 4 and first["cached"] == 0
     assert first["compiled"] == 4 and first["failed"] == [] and first["workers"] == 2
+    assert first["launchers"] == 4 and first["launcher_errors"] == []
     assert res["files"] > 0
     assert all(res["cached"])
     # A second start finds every variant cached and starts no worker.
     assert second["variants"] == 4 and second["cached"] == 4 and second["compiled"] == 0 and second["workers"] == 0
-    assert res["new_files"] == [], "Triton's own compile path did not find what the workers wrote"
+    assert res["loaded"] == 4 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
+    assert res["new_files"] == [], "Triton's compile path or launcher build did not find what the workers wrote"
 
 
 def test_a_variant_that_cannot_compile_is_reported_not_raised():
     bad = KernelVariant("turboquant_core.kernels.paged_decode_jit", "no_such_kernel", "{}", ("cuda", 90, 32))
-    failed = compile_in_workers([bad], workers=2)
-    assert len(failed) == 1 and failed[0].startswith("no_such_kernel: AttributeError")
+    done = compile_in_workers([bad], workers=2)
+    assert len(done.failed) == 1 and done.failed[0].startswith("no_such_kernel: AttributeError")
+    assert done.launchers == 0 and done.launcher_errors == []
 
 
 def test_workers_past_the_deadline_are_stopped_and_their_variants_left_to_the_engine():
@@ -100,8 +131,8 @@ def test_workers_past_the_deadline_are_stopped_and_their_variants_left_to_the_en
 
     bad = KernelVariant("turboquant_core.kernels.paged_decode_jit", "no_such_kernel", "{}", ("cuda", 90, 32))
     t0 = time.monotonic()
-    failed = compile_in_workers([bad, bad], workers=1, timeout_s=0.05)  # before the worker has imported anything
-    assert failed == ["no_such_kernel: not compiled within 0 s"] * 2
+    done = compile_in_workers([bad, bad], workers=1, timeout_s=0.05)  # before the worker has imported anything
+    assert done.failed == ["no_such_kernel: not compiled within 0 s"] * 2
     assert time.monotonic() - t0 < 5.0
 
 

@@ -12,8 +12,12 @@ How (``compile_ahead``):
    specialization exactly as Triton's own binder made it from the real arguments (``KernelVariant``).
 2. compile: variants not already in Triton's on-disk cache go to worker processes
    (``python -m turboquant_core.ops.compile_ahead``), which rebuild the same source and options and compile them
-   with ``triton.compiler.compile`` for the device's target into the same on-disk cache.
-3. The caller then runs the launches for real: each variant is a cache hit, loaded instead of compiled.
+   with ``triton.compiler.compile`` for the device's target into the same on-disk cache. Each worker also builds the
+   variant's host-side launcher: on NVIDIA GPUs Triton compiles one small C extension per kernel signature with the
+   system's C compiler when a kernel is first loaded (``CudaLauncher``), about a second each, and caches it beside
+   the kernels; it needs libcuda to link against, not a GPU.
+3. The caller then runs the launches for real: each variant and its launcher are cache hits, loaded instead of
+   compiled.
 
 Nothing here changes what runs: a variant a worker could not compile (or whose cache entry differs) is compiled by
 the real launch as before, and its error, if any, is raised there.
@@ -72,15 +76,19 @@ class CompileAheadReport:
     cached: int = 0
     compiled: int = 0
     failed: list[str] = field(default_factory=list)
+    launchers: int = 0
+    launcher_errors: list[str] = field(default_factory=list)
     workers: int = 0
     record_s: float = 0.0
     compile_s: float = 0.0
 
     def describe(self) -> str:
-        text = (f"{self.variants} kernel variants, {self.cached} already cached, {self.compiled} compiled by "
-                f"{self.workers} processes in {self.compile_s:.1f} s")
+        text = (f"{self.variants} kernel variants, {self.cached} already cached, {self.compiled} compiled "
+                f"({self.launchers} with their launchers) by {self.workers} processes in {self.compile_s:.1f} s")
         if self.failed:
             text += f"; {len(self.failed)} left to the engine ({self.failed[0]})"
+        if self.launcher_errors:
+            text += f"; {len(self.launcher_errors)} launchers left to the engine ({self.launcher_errors[0]})"
         return text
 
 
@@ -103,6 +111,37 @@ def recording_variants():
         yield found
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+@dataclass
+class CompileCount:
+    """Variants Triton's compile path loaded from its on-disk cache or compiled, while ``counting_compiles`` was
+    open (the names of those compiled)."""
+
+    loaded: int = 0
+    compiled: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def counting_compiles():
+    """While open, counts each variant Triton's compile path loads from its on-disk cache or compiles, through its
+    compilation listener (``knobs.compilation.listener``; a listener already set keeps being called)."""
+    count = CompileCount()
+    previous = knobs.compilation.listener
+
+    def listener(*, src, cache_hit, **kw):
+        if cache_hit:
+            count.loaded += 1
+        else:
+            count.compiled.append(getattr(src, "name", str(src)))
+        if previous is not None:
+            previous(src=src, cache_hit=cache_hit, **kw)
+
+    knobs.compilation.listener = listener
+    try:
+        yield count
+    finally:
+        knobs.compilation.listener = previous
 
 
 def _jit_function(variant: KernelVariant):
@@ -159,6 +198,19 @@ def compile_variant(variant: KernelVariant):
     return triton.compiler.compile(src, target=target, options=options)
 
 
+def build_launcher(kernel) -> bool:
+    """Build the host-side launcher a compiled kernel's first load on an NVIDIA device builds
+    (``CompiledKernel._init_handles``: ``CudaLauncher``, a C extension compiled from the kernel's signature and kept
+    in Triton's on-disk cache), or find it there. False for other backends, which have none to build ahead."""
+    target = getattr(kernel.metadata, "target", None)
+    if target is None or target.backend != "cuda":
+        return False
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    CudaLauncher(kernel.src, kernel.metadata)
+    return True
+
+
 # A worker holds torch and Triton (about 0.3 GB); a warm-up has a few tens of variants, the slowest taking seconds.
 MAX_DEFAULT_WORKERS = 16
 
@@ -173,14 +225,24 @@ def default_workers(ranks_per_node: int = 1) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(1, ranks_per_node)))
 
 
-def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 300.0) -> list[str]:
-    """Compile ``variants`` in ``workers`` processes (at most one per variant), each taking the next variant as it
-    finishes one. Returns one line per variant that failed or was not compiled within ``timeout_s`` (the engine
-    compiles those itself); workers still running then are stopped."""
+@dataclass
+class WorkerOutcome:
+    """What ``compile_in_workers`` got back: one line per variant that failed or was not compiled in time (the engine
+    compiles those itself), the number of launchers built, and one line per launcher that could not be built."""
+
+    failed: list[str]
+    launchers: int
+    launcher_errors: list[str]
+
+
+def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 300.0) -> WorkerOutcome:
+    """Compile ``variants`` and build their launchers in ``workers`` processes (at most one per variant), each taking
+    the next variant as it finishes one; workers still running after ``timeout_s`` are stopped."""
     jobs: queue.Queue[int] = queue.Queue()
     for i in range(len(variants)):
         jobs.put(i)
     outcome: dict[int, str | None] = {}  # variant -> None (compiled) or why not
+    launchers: dict[int, str | None] = {}  # compiled variant -> None (launcher built) or why not
     lock = threading.Lock()
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU; a worker must not open a context on one
@@ -205,6 +267,8 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
                 result = json.loads(line) if line else {"ok": False, "error": gone}
                 with lock:
                     outcome[i] = None if result["ok"] else result["error"]
+                    if result.get("launcher") or result.get("launcher_error"):
+                        launchers[i] = result.get("launcher_error")
                 if not line:
                     return
         except (OSError, ValueError):  # a worker gone or stopped at the deadline: its variant counts as not compiled
@@ -227,8 +291,10 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
             p.kill()
             p.wait()
     with lock:
-        return [f"{v.name}: {outcome[i]}" if i in outcome else f"{v.name}: not compiled within {timeout_s:.0f} s"
-                for i, v in enumerate(variants) if outcome.get(i, "") is not None]
+        failed = [f"{v.name}: {outcome[i]}" if i in outcome else f"{v.name}: not compiled within {timeout_s:.0f} s"
+                  for i, v in enumerate(variants) if outcome.get(i, "") is not None]
+        return WorkerOutcome(failed, sum(why is None for why in launchers.values()),
+                             [f"{variants[i].name}: {why}" for i, why in launchers.items() if why])
 
 
 def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadReport:
@@ -246,7 +312,8 @@ def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadRep
     if todo and workers >= 2:
         t0 = time.perf_counter()
         report.workers = min(workers, len(todo))
-        report.failed = compile_in_workers(todo, report.workers)
+        done = compile_in_workers(todo, report.workers)
+        report.failed, report.launchers, report.launcher_errors = done.failed, done.launchers, done.launcher_errors
         report.compiled = len(todo) - len(report.failed)
         report.compile_s = time.perf_counter() - t0
     return report
@@ -263,10 +330,16 @@ def _worker_main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            compile_variant(KernelVariant.from_json(line))
+            kernel = compile_variant(KernelVariant.from_json(line))
             out = {"ok": True, "seconds": time.perf_counter() - t0}
         except Exception as e:  # reported to the parent, whose real launch compiles (and raises) instead
             out = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        else:
+            try:
+                out["launcher"] = build_launcher(kernel)
+            except Exception as e:  # the kernel's first load builds it instead
+                out["launcher"] = False
+                out["launcher_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results.write(json.dumps(out) + "\n")
 
 
@@ -274,5 +347,6 @@ if __name__ == "__main__":
     _worker_main()
 
 
-__all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "KernelVariant", "compile_ahead", "compile_in_workers",
-           "compile_variant", "default_workers", "is_cached", "recording_variants"]
+__all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "CompileCount", "KernelVariant", "WorkerOutcome",
+           "build_launcher", "compile_ahead", "compile_in_workers", "compile_variant", "counting_compiles",
+           "default_workers", "is_cached", "recording_variants"]

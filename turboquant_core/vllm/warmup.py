@@ -22,7 +22,7 @@ import torch
 from vllm.logger import init_logger
 
 from ..config import TQConfig
-from ..ops.compile_ahead import compile_ahead, default_workers
+from ..ops.compile_ahead import compile_ahead, counting_compiles, default_workers
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
 from .centering import attach_key_centering
@@ -111,13 +111,18 @@ def warmup_tq_attention(model_runner) -> None:
             e,
         )
     t0 = time.perf_counter()
-    launches = sum(job() for job in jobs)
+    with counting_compiles() as count:
+        launches = sum(job() for job in jobs)
     if torch.accelerator.is_available():
         torch.accelerator.synchronize()
     logger.info(
-        "TurboQuant attention: %d kernel launches compiled or loaded in %.1f s",
+        "TurboQuant attention: %d kernel launches in %.1f s (%d variants loaded "
+        "from the cache, %d compiled here%s)",
         launches,
         time.perf_counter() - t0,
+        count.loaded,
+        len(count.compiled),
+        f": {', '.join(sorted(set(count.compiled)))}" if count.compiled else "",
     )
 
 
