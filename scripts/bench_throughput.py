@@ -174,9 +174,16 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         kwargs["quantization"] = quantization
         if quantization == "awq_marlin":  # dummy weights in AWQ's layout: the checkpoint config says what they are
             kwargs["hf_overrides"] = {"quantization_config": dict(AWQ_DUMMY_CONFIG)}
+    compilation = {}
     if args.cudagraph_sizes:
         # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(v) for v in args.cudagraph_sizes.split(",")]}
+        compilation["cudagraph_capture_sizes"] = [int(v) for v in args.cudagraph_sizes.split(",")]
+    if getattr(args, "no_allreduce_rms_fusion", False):
+        # vLLM fuses all-reduce + RMSNorm at TP > 1 on Hopper through FlashInfer over torch symmetric memory; where
+        # the host has NVLink multicast turned off, that engine hangs in compile (plain all-reduce still works).
+        compilation["pass_config"] = {"fuse_allreduce_rms": False}
+    if compilation:
+        kwargs["compilation_config"] = compilation
     return kwargs
 
 
@@ -376,6 +383,8 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
         cmd.append("--enforce-eager")
     if args.no_engine_stats:
         cmd.append("--no-engine-stats")
+    if args.no_allreduce_rms_fusion:
+        cmd.append("--no-allreduce-rms-fusion")
     tp = f", tensor_parallel_size={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"[bench] {name}: {install} vLLM, kv_cache_dtype={dtype}{tp}", flush=True)
     t = time.perf_counter()
@@ -562,6 +571,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--cudagraph-sizes", default="", help="comma list of CUDA-graph capture sizes (default: vLLM's)")
+    ap.add_argument("--no-allreduce-rms-fusion", action="store_true",
+                    help="turn off vLLM's all-reduce + RMSNorm fusion (TP > 1 on Hopper), which needs NVLink multicast")
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--no-engine-stats", action="store_true",
                     help="leave vLLM's stats off (as before): no peak running / TPOT columns")

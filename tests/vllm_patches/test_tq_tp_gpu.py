@@ -25,6 +25,9 @@ tests write a random-weight checkpoint of benchmarks/configs/tiny-qwen3 (16 quer
 two KV heads per rank at TP=2) with transformers, once per head layout, and load it at both sizes. Prompts are token
 ids; no tokenizer.
 
+Hosts with NVLink multicast off: ``TQ_TP_NO_ALLREDUCE_RMS_FUSION=1`` turns off vLLM's all-reduce + RMSNorm fusion,
+whose start-up hangs there (benchmarks/results/2026-11-26-h100x2-tensor-parallel/).
+
 Each engine runs in its own process (test_stock_failures_gpu.py's runner) in vLLM's production layout (engine core and
 workers in processes of their own). Needs vLLM patched by scripts/patches.py and two CUDA devices.
 """
@@ -116,10 +119,15 @@ def _run(engine, model: str | Path, dtype: str, tp: int, **config) -> dict:
     """One engine at tensor-parallel size ``tp``: 8 prompts, 16 greedy tokens each with top-5 logprobs, CUDA graphs
     on (capture sizes up to the batch), a fixed 2 GiB pool per rank."""
     phases = [dict(name="greedy", prompts=_random_prompts(11, PROMPT_LENS), max_tokens=MAX_TOKENS, ignore_eos=True)]
+    compilation = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if os.environ.get("TQ_TP_NO_ALLREDUCE_RMS_FUSION") == "1":
+        # Hosts with NVLink multicast off: vLLM's fused all-reduce + RMSNorm (FlashInfer over torch symmetric
+        # memory) hangs there; scripts/bench_throughput.py --no-allreduce-rms-fusion does the same.
+        compilation["pass_config"] = {"fuse_allreduce_rms": False}
     return engine(model=str(model), kv_cache_dtype=dtype, max_model_len=2048, max_num_batched_tokens=1024,
                   enforce_eager=False, inprocess=False, kv_cache_gib=POOL_GIB, phases=phases,
                   engine_kwargs=dict(tensor_parallel_size=tp, skip_tokenizer_init=True,
-                                     compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}), **config)
+                                     compilation_config=compilation), **config)
 
 
 def _log(run: dict) -> str:
