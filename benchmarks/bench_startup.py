@@ -126,18 +126,20 @@ def summarize(rows: list[dict]) -> str:
     warm_bf16 = [r["startup_s"] for r in rows if r["name"] == "bf16" and r["warm"] and "startup_s" in r]
     base = warm_bf16[-1] if warm_bf16 else None
     lines = ["| run | compile caches | compile workers | start-up s | vs warm bf16 | variants (cached) "
-             "| compile ahead s | warm-up launches s |", "|---|---|---|---:|---:|---|---:|---:|"]
+             "| compile ahead s | warm-up launches s | compiled in the warm-up |",
+             "|---|---|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         s = r.get("startup_s")
         workers = "-" if r["compile_workers"] is None else (r["compile_workers"] or "auto")
         if r.get("compile_processes") is not None and r["compile_workers"] == 0:
             workers = f"auto ({r['compile_processes']})"
-        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             r["name"], "warm" if r["warm"] else "cold", workers, f"{s:.1f}" if s is not None else "failed",
             f"{s - base:+.1f}" if s is not None and base is not None else "-",
             f"{r['variants']} ({r['cached']})" if "variants" in r else "-",
             f"{r['compile_ahead_s']:.1f}" if "compile_ahead_s" in r else "-",
-            f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-"))
+            f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-",
+            r["warmup_compiled"] if "warmup_compiled" in r else "-"))
     return "\n".join(lines)
 
 

@@ -38,11 +38,11 @@ def test_log_numbers_read_the_warmups_own_lines():
 def test_summary_compares_with_the_last_warm_bf16_start():
     rows = [dict(name="bf16", warm=False, compile_workers=None, startup_s=80.0),
             dict(name="ours-k3v4", warm=False, compile_workers=0, startup_s=95.5, variants=19, cached=0,
-                 compile_ahead_s=8.0, warmup_s=1.0, compile_processes=16),
+                 compile_ahead_s=8.0, warmup_s=1.0, compile_processes=16, warmup_compiled=0),
             dict(name="bf16", warm=True, compile_workers=None, startup_s=60.0)]
     table = bench_startup.summarize(rows).splitlines()
-    assert table[3].startswith("| ours-k3v4 | cold | auto (16) | 95.5 | +35.5 | 19 (0) | 8.0 | 1.0 |")
-    assert table[4] == "| bf16 | warm | - | 60.0 | +0.0 | - | - | - |"
+    assert table[3] == "| ours-k3v4 | cold | auto (16) | 95.5 | +35.5 | 19 (0) | 8.0 | 1.0 | 0 |"
+    assert table[4] == "| bf16 | warm | - | 60.0 | +0.0 | - | - | - | - |"
 
 
 def test_a_warm_run_needs_an_earlier_run_of_its_config(tmp_path):
