@@ -66,89 +66,6 @@ def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
-# ``PERMUTE_LOOKUP4_ASM_16`` for selectors whose nibbles 0-3 hold fields (jA, jA+1) of token t, then the same fields of
-# token t+1 (``pair_transpose_asm``): its last two permutes pair the tokens instead of the fields, so each output
-# register is the fp16x2 (token t, token t+1) of one field, the layout of the P.V product's A operand (k_width 2:
-# consecutive tokens of one V^T row in one register). Outputs: field jA of t, of t+1, field jA+1 of t, of t+1.
-PAIR_LOOKUP4_ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value.replace("0x5140", "0x6240").replace("0x7362", "0x7351"))
-
-
-@gluon.jit
-def _lookup4_pairs(sel, half, c0, c1, c2, c3, c4, c5, c6, c7):
-    """fp16 codebook values of the 4-bit fields in nibbles 0-3 of ``sel`` (bits 0-2; ``half`` picks entries 0-7 or
-    8-15), nibbles (0, 1) of token t and (2, 3) of token t+1: (field A of t, of t+1, field B of t, of t+1)."""
-    a, b, c, d = gl.inline_asm_elementwise(
-        PAIR_LOOKUP4_ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r", [sel, half, c0, c1, c2, c3, c4, c5, c6, c7],
-        dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
-    return (a.to(gl.float16, bitcast=True), b.to(gl.float16, bitcast=True), c.to(gl.float16, bitcast=True),
-            d.to(gl.float16, bitcast=True))
-
-
-@gluon.jit
-def _pair_fields(word, c0, c1, c2, c3, c4, c5, c6, c7):
-    """Token-pair words of 4-bit fields (``pair_transpose_asm``: byte k = plane (2*h + k//2) of token t + k%2, h the
-    word's half) -> their codebook values joined as dims (token bit 0, j0, j1) after the word's dims."""
-    x, half = _lookup_selectors(word, 4)
-    e0, o0, e1, o1 = _lookup4_pairs(x, half, c0, c1, c2, c3, c4, c5, c6, c7)
-    e2, o2, e3, o3 = _lookup4_pairs(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7)
-    return gl.join(gl.join(gl.join(e0, o0), gl.join(e1, o1)), gl.join(gl.join(e2, o2), gl.join(e3, o3)))
-
-
-@gluon.constexpr_function
-def pair_transpose_asm(gr):
-    """PTX that turns the 4 byte planes of tokens t ($2gr..$2gr+3) and t+1 ($2gr+4..$2gr+7), gr groups each (plane
-    k of group g in byte g of its input), into 2*gr token-pair words: word (h, g) (output h*gr + g) holds plane 2h
-    of group g of t, of t+1, then plane 2h+1 of t, of t+1 (bytes 0-3). With 4-bit fields (plane k = fields 2k,
-    2k+1) its low half selects fields 4h, 4h+1 of both tokens and its high half fields 4h+2, 4h+3. As many permutes
-    as ``plane_transpose_asm(4, gr)`` spends on the two tokens."""
-    e, o = 2 * gr, 2 * gr + 4
-    lines = [f"prmt.b32 u{k}, ${e + k}, ${o + k}, 0x5140;" for k in range(4)]
-    if gr > 2:
-        lines += [f"prmt.b32 v{k}, ${e + k}, ${o + k}, 0x7362;" for k in range(4)]
-    for h in range(2):
-        for g in range(gr):
-            src = "u" if g < 2 else "v"
-            lines.append(f"prmt.b32 ${h * gr + g}, {src}{2 * h}, {src}{2 * h + 1}, {'0x7632' if g % 2 else '0x5410'};")
-    return "{ .reg .b32 u0, u1, u2, u3, v0, v1, v2, v3; " + " ".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def pair_transpose_constraints(gr):
-    return ",".join(["=r"] * (2 * gr) + ["r"] * 8)
-
-
-@gluon.jit
-def _split_tokens(p, BN: gl.constexpr):
-    """Planes [BN, L] -> (even tokens, odd tokens) [BN/2, L]; token bit 0 lies in registers, so nothing moves."""
-    return gl.split(gl.permute(gl.reshape(p, [BN // 2, 2, p.shape[1]]), [0, 2, 1]))
-
-
-@gluon.jit
-def _value_tile_pairs(p0, p1, p2, p3, c0, c1, c2, c3, c4, c5, c6, c7, BN: gl.constexpr, GRV: gl.constexpr,
-                      DP: gl.constexpr):
-    """4-bit value planes [BN, 8] (``_load_planes``) -> V^T [DP, BN] fp16 whose registers are already the A operand's
-    fp16x2 token pairs (``_lookup4_pairs``); the same values, in the same positions, as the words path
-    (``_planes_to_words`` + ``_fields``)."""
-    gl.static_assert(GRV == 1 or GRV == 2, "head dims 64 and 128")
-    p0e, p0o = _split_tokens(p0.to(gl.uint32), BN)
-    p1e, p1o = _split_tokens(p1.to(gl.uint32), BN)
-    p2e, p2o = _split_tokens(p2.to(gl.uint32), BN)
-    p3e, p3o = _split_tokens(p3.to(gl.uint32), BN)
-    args = [p0e, p1e, p2e, p3e, p0o, p1o, p2o, p3o]
-    if GRV == 1:
-        w0, w1 = gl.inline_asm_elementwise(pair_transpose_asm(GRV), pair_transpose_constraints(GRV), args,
-                                           dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-        w = gl.expand_dims(gl.join(w0, w1), 2)  # [BN/2, 8, 1, 2 (h = j2)]
-    else:
-        w00, w01, w10, w11 = gl.inline_asm_elementwise(pair_transpose_asm(GRV), pair_transpose_constraints(GRV),
-                                                       args, dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-                                                       is_pure=True, pack=1)
-        w = gl.join(gl.join(w00, w01), gl.join(w10, w11))  # [BN/2, 8, GRV, 2 (h = j2)]
-    f = _pair_fields(w, c0, c1, c2, c3, c4, c5, c6, c7)  # [BN/2, 8, GRV, j2, token bit 0, j0, j1]
-    # V position gl + 8*j0 + 16*j1 + 32*j2 + 64*gr, token 2*(token / 2) + token bit 0 (module docstring)
-    return gl.reshape(gl.permute(f, [2, 3, 6, 5, 1, 0, 4]), [DP, BN])
-
-
 @gluon.constexpr_function
 def plane_transpose_asm(b, gr):
     """PTX that turns the b byte planes of gr consecutive groups (plane k of groups 0..gr-1 in the low gr bytes
@@ -322,7 +239,6 @@ def tq_paged_decode_kernel(
     KB: gl.constexpr, VB: gl.constexpr, KG: gl.constexpr, VG: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
     K_ROW: gl.constexpr, V_ROW: gl.constexpr, CENTER: gl.constexpr, QL: gl.constexpr, PREFETCH: gl.constexpr,
-    VPAIRS: gl.constexpr = False,
 ):
     """Grid (requests, KV heads, splits), one warp each. A request's queries are its last q_len <= QL tokens
     (q_len from QUERY_START; causal: query i sees the first kv_len - q_len + 1 + i cached tokens); column
@@ -472,13 +388,9 @@ def tq_paged_decode_kernel(
         pt = gl.convert_layout(pt, b_op, assert_trivial=True)
         # values: words -> V^T tile in A-operand registers -> accumulate O^T (the values' loads had the keys'
         # work to arrive)
-        if VPAIRS and VB == 4:
-            # lookups that yield (token t, token t+1) fp16 pairs directly: no repacking of halves for the MMA
-            vt = _value_tile_pairs(vq0, vq1, vq2, vq3, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, BN, GRV, DP)
-        else:
-            vw = gl.convert_layout(_planes_to_words(vq0, vq1, vq2, vq3, VB, GRV), vw_l, assert_trivial=True)
-            vf = _fields(vw, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, VB)  # [BN, 8, GRV, 2, 2, 2]
-            vt = gl.reshape(gl.permute(vf, [2, 5, 4, 3, 1, 0]), [DP, BN])
+        vw = gl.convert_layout(_planes_to_words(vq0, vq1, vq2, vq3, VB, GRV), vw_l, assert_trivial=True)
+        vf = _fields(vw, vc0, vc1, vc2, vc3, vc4, vc5, vc6, vc7, VB)  # [BN, 8, GRV, 2, 2, 2]
+        vt = gl.reshape(gl.permute(vf, [2, 5, 4, 3, 1, 0]), [DP, BN])
         vt = gl.convert_layout(vt, a_op, assert_trivial=True)
         acc = mma_v2(vt, pt, acc)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -40,10 +39,6 @@ WAVE_FILL_SLACK = 0.05
 # measured shape (loading its keys only needs more registers and is slower); the centred variant keeps two
 # loop-invariant words on the stack (benchmarks/results/2026-11-25-h200-decode-prefetch/).
 DECODE_PREFETCH = True
-# 4-bit values looked up from selectors of two tokens' fields, so each lookup yields the P.V product's (token t, t+1)
-# fp16 pairs with no repacking (``paged_decode_jit._value_tile_pairs``). A study (branch study-value-selectors):
-# off until timed on a GPU; TQ_DECODE_VALUE_PAIRS=1 turns it on.
-DECODE_VALUE_PAIRS = os.environ.get("TQ_DECODE_VALUE_PAIRS", "0") == "1"
 ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
 
 
@@ -222,8 +217,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         DP=d, GQ=plan.group, BN=DECODE_BLOCK_N, PAGE=lay.block_size, KB=int(f.key.bits), VB=int(f.value.bits),
         KG=d // 8, VG=d // 8, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
-        CENTER=centering is not None, QL=ql, PREFETCH=DECODE_PREFETCH,
-        VPAIRS=DECODE_VALUE_PAIRS, num_warps=1,
+        CENTER=centering is not None, QL=ql, PREFETCH=DECODE_PREFETCH, num_warps=1,
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
