@@ -91,6 +91,19 @@ def valword_layout():
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[128, 2, 4])
 
 
+@gluon.constexpr_function
+def valword4_layout():
+    """[64 channel pairs, 2 kb, 2 h, 4 tid] (token-interleaved V pages): pair p = channels (p // 8) * 16 + p % 8 and
+    that + 8 (the A operand's row + 8 register), one word = 4 tokens of the pair."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [32, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[64, 2, 2, 4])
+
+
+COMPACT = gl.constexpr("prmt.b32 $0, $1, 0, 0x0020;")  # bytes 0 and 2 -> the low 16 bits (4 nibble selectors)
+
+
 @gluon.jit
 def _lookup(sel4, tab0, tab1, L5: gl.constexpr, SHAPE: gl.constexpr):
     """Selectors [.., 4 tid] (one 16-bit prmt selector per A-operand register) -> e4m3 values [.., 4 tid, 4 j] in the
@@ -119,7 +132,8 @@ def _halves(x):
 
 @gluon.jit(do_not_specialize=["lo", "hi"])
 def e4m3_wgmma_decode_kernel(QF8, KW, VW, SC, BT, O, L, lo, hi, kt0, kt1, vt0, vt1,
-                             KPAGE_W: gl.constexpr, VPAGE_W: gl.constexpr, SC_PAGE: gl.constexpr):
+                             KPAGE_W: gl.constexpr, VPAGE_W: gl.constexpr, SC_PAGE: gl.constexpr,
+                             VTOK: gl.constexpr):
     """One program = one (request, KV head, split): tokens [lo, hi) of the pages in BT (16 tokens a page). QF8 [8, 128]
     e4m3 (queries rotated, pre-scaled, log2 domain); KW / VW int32 pages (module docstring); SC fp16 [page, 2, 16] key
     and value scales; kt0/kt1, vt0/vt1 the e4m3 codebooks (key 8 entries, value 8 magnitudes) as two registers."""
@@ -151,6 +165,14 @@ def e4m3_wgmma_decode_kernel(QF8, KW, VW, SC, BT, O, L, lo, hi, kt0, kt1, vt0, v
     vtid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, vw_l)))
     voff = (vch[:, None, None] * 2 + vkb[None, :, None])
     ts = gl.arange(0, 64, layout=tok_l)
+    if VTOK:
+        vw4: gl.constexpr = valword4_layout()
+        vp4 = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, vw4))))
+        vkb4 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, vw4))))
+        vh4 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, vw4))))
+        vtid4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, vw4))))
+        voff4 = (vkb4[None, :, None] * 2 + vh4[None, None, :]) * 64 + vp4[:, None, None]
+        voff4 = gl.expand_dims(voff4, 3)
 
     m_i = gl.full([8], float("-inf"), gl.float32, layout=col_l)
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
@@ -194,11 +216,25 @@ def e4m3_wgmma_decode_kernel(QF8, KW, VW, SC, BT, O, L, lo, hi, kt0, kt1, vt0, v
         gl.thread_barrier()
 
         # values: V^T [128 ch, 64 k], thread tid's 16 tokens from page pg0 + tid
-        vpage = gl.load(BT + pg0 + vtid)
-        vw = gl.load(VW + (vpage * VPAGE_W)[None, None, :] + voff).to(gl.uint32, bitcast=True)
-        m = vw & 0x77777777
-        vsel = gl.permute(gl.join(m, m >> 16), [0, 1, 3, 2])  # [128, 2 kb, 2 h, 4 tid]
-        vsgn = gl.permute(gl.join(vw & 0x80808080, (vw << 4) & 0x80808080), [0, 1, 3, 2])
+        if VTOK:
+            # token-interleaved page: word (4-token group, channel pair p) = one byte per token, channel
+            # a = (p // 8) * 16 + p % 8 in its low nibble, a + 8 in its high nibble
+            vpage = gl.load(BT + pg0 + vtid4)
+            vw = gl.load(VW + (vpage * VPAGE_W)[None, None, None, :] + voff4).to(gl.uint32, bitcast=True)
+            xa = (vw & 0x07070707) | ((vw >> 4) & 0x70707070)
+            xb = ((vw >> 4) & 0x07070707) | ((vw >> 8) & 0x70707070)
+            xa = gl.inline_asm_elementwise(COMPACT, "=r,r", [xa], dtype=gl.uint32, is_pure=True, pack=1)
+            xb = gl.inline_asm_elementwise(COMPACT, "=r,r", [xb], dtype=gl.uint32, is_pure=True, pack=1)
+            vsel = gl.reshape(gl.permute(gl.reshape(gl.join(xa, xb), [8, 8, 2, 2, 4, 2]), [0, 5, 1, 2, 3, 4]),
+                              [128, 2, 2, 4])
+            vsgn = gl.join((vw << 4) & 0x80808080, vw & 0x80808080)
+            vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [8, 8, 2, 2, 4, 2]), [0, 5, 1, 2, 3, 4]), [128, 2, 2, 4])
+        else:
+            vpage = gl.load(BT + pg0 + vtid)
+            vw = gl.load(VW + (vpage * VPAGE_W)[None, None, :] + voff).to(gl.uint32, bitcast=True)
+            m = vw & 0x77777777
+            vsel = gl.permute(gl.join(m, m >> 16), [0, 1, 3, 2])  # [128, 2 kb, 2 h, 4 tid]
+            vsgn = gl.permute(gl.join(vw & 0x80808080, (vw << 4) & 0x80808080), [0, 1, 3, 2])
         vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
         vt = gl.convert_layout(vt, a_op, assert_trivial=True)
         acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
@@ -213,7 +249,7 @@ def e4m3_wgmma_decode_kernel(QF8, KW, VW, SC, BT, O, L, lo, hi, kt0, kt1, vt0, v
     gl.store(L + cols, gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf")))
 
 
-def compile_kernel():
+def compile_kernel(vtok=False):
     """Compile for sm_90 (Triton's NVIDIA backend targets sm_90a for capability 90): the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as tcompile
@@ -221,21 +257,23 @@ def compile_kernel():
 
     sig = dict(QF8="*fp8e4nv", KW="*i32", VW="*i32", SC="*fp16", BT="*i32", O="*fp32", L="*fp32", lo="i32", hi="i32",
                kt0="i32", kt1="i32", vt0="i32", vt1="i32", KPAGE_W="constexpr", VPAGE_W="constexpr",
-               SC_PAGE="constexpr")
-    src = GluonASTSource(e4m3_wgmma_decode_kernel, sig, dict(KPAGE_W=192, VPAGE_W=256, SC_PAGE=32), {})
+               SC_PAGE="constexpr", VTOK="constexpr")
+    src = GluonASTSource(e4m3_wgmma_decode_kernel, sig, dict(KPAGE_W=192, VPAGE_W=256, SC_PAGE=32, VTOK=vtok), {})
     return tcompile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--token-interleaved-v", action="store_true",
+                    help="values in token-interleaved pages (one byte per token and channel pair: store-friendly)")
     ap.add_argument("--dump", type=Path, help="write the SASS listing here")
     args = ap.parse_args(argv)
     import triton
     from sass_loop_mix import loop_mix
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    k = compile_kernel()
+    k = compile_kernel(args.token_interleaved_v)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
@@ -247,7 +285,7 @@ def main(argv=None) -> int:
         args.dump.write_text(sass)
     mix = loop_mix(sass)
     ptx_target = re.search(r"\.target\s+(\S+)", k.asm["ptx"]).group(1)
-    out = dict(target=ptx_target, regs=int(re.search(r"REG:(\d+)", res).group(1)),
+    out = dict(values="token-interleaved" if args.token_interleaved_v else "channel-major", target=ptx_target, regs=int(re.search(r"REG:(\d+)", res).group(1)),
                stack=int(re.search(r"STACK:(\d+)", res).group(1)), shared=k.metadata.shared,
                loop=mix, per_token=round(mix["instructions"] / 64, 2),
                qgmma=sum(n for op, n in mix["ops"].items() if "GMMA" in op))
