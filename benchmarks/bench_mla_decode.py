@@ -78,13 +78,16 @@ def copy_gbps(device: str) -> float:
 
 
 def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | None:
-    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``mma:WARPS:DEPTH``: the register-tile kernel with
-    WARPS warps loading DEPTH tiles ahead; HEADS,TOKENS,WARPS,STAGES: the Triton kernel."""
+    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``mma:WARPS:DEPTH[:MAXNREG]``: the register-tile
+    kernel with WARPS warps loading DEPTH tiles ahead (and at most MAXNREG registers per thread); HEADS,TOKENS,WARPS,
+    STAGES: the Triton kernel."""
     if text == "auto":
         return None
     if text.startswith("mma:"):
-        warps, depth = (int(x) for x in text[4:].split(":"))
-        return warps, depth
+        parts = [int(x) for x in text[4:].split(":")]
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"bad launch {text!r}: expected mma:WARPS:DEPTH or mma:WARPS:DEPTH:MAXNREG")
+        return (*parts, None)[:3]
     try:
         h, t, w, st = (int(x) for x in text.split(","))
         return MLADecodeLaunch(h, t, w, st)
@@ -94,7 +97,8 @@ def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | None:
 
 def _kernel_name(layout, device: str, launch: MLADecodeLaunch | None) -> str:
     if launch is None and mla_mma_applies(layout, device):
-        return f"register-tile {mla_ops.MLA_MMA_WARPS} warps, {mla_ops.MLA_MMA_DEPTH} ahead"
+        cap = f", at most {mla_ops.MLA_MMA_MAXNREG} registers" if mla_ops.MLA_MMA_MAXNREG else ""
+        return f"register-tile {mla_ops.MLA_MMA_WARPS} warps, {mla_ops.MLA_MMA_DEPTH} ahead{cap}"
     la = launch or MLA_DECODE_LAUNCH
     return f"triton {la.heads},{la.tokens},{la.warps},{la.stages}"
 
@@ -111,9 +115,10 @@ def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, 
     slots = (bt[:, -1].long() * PAGE + PAGE - 1).contiguous()  # one token per request, as a decode step stores
     store_ms = time_ms(lambda: mla_store(kv_c, k_pe, cache, slots, lay), graph=True)
     rows = []
-    shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH
+    shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG
     for s, launch in [(s, la) for la in launches for s in sorted(set(splits) | {heuristic})]:
-        mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH = launch if isinstance(launch, tuple) else shipped
+        mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG = (
+            launch if isinstance(launch, tuple) else shipped)
         if isinstance(launch, tuple):
             launch = None
         ms = time_ms(lambda s=s, la=launch: mla_decode_attention(q, q_pe, cache, lay, bt, sl, scale, num_splits=s,
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", nargs="+", type=int, default=[16], help="query heads (DeepSeek-V2-Lite 16, V3 128)")
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
     ap.add_argument("--launch", nargs="+", type=parse_launch, default=[None],
-                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH (the register-tile kernel) or "
+                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH[:MAXNREG] (the register-tile kernel) or "
                     "Triton launch shapes HEADS,TOKENS,WARPS,STAGES")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases]

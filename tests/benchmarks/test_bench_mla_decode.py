@@ -21,7 +21,8 @@ def test_launches_parse_and_bad_ones_are_refused_with_the_expected_form():
     from turboquant_core.ops.mla import MLADecodeLaunch
 
     assert bench_mla_decode.parse_launch("auto") is None
-    assert bench_mla_decode.parse_launch("mma:4:2") == (4, 2)
+    assert bench_mla_decode.parse_launch("mma:4:2") == (4, 2, None)
+    assert bench_mla_decode.parse_launch("mma:4:2:168") == (4, 2, 168)
     assert bench_mla_decode.parse_launch("16,32,4,1") == MLADecodeLaunch(16, 32, 4, 1)
     with pytest.raises(SystemExit, match="expected auto"):
         bench_mla_decode.parse_launch("16,32")

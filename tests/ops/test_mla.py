@@ -650,3 +650,35 @@ def test_fidelity_of_each_latent_encoding_next_to_vllm_fp8(capsys):
     errs = [by[n]["out_mean"] for n in LATENT_PRESETS]
     assert errs == sorted(errs)
     assert by["turboquant_4bit_nc"]["latent_mse"] == pytest.approx(0.0095, rel=0.1)
+
+
+MAXNREG_PROBE = r'''
+import torch
+from tests.ops import sm90_probe
+
+sm90_probe.install_printer()
+
+from turboquant_core.ops import mla as mla_ops
+from turboquant_core.ops.mla import mla_decode_attention
+from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
+
+lay = mla_paged_layout("turboquant_k3v4_nc", 64)
+mla_ops._gluon_runs = lambda device: True
+args = (torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16),
+        allocate_mla_cache(4, lay), lay, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
+        0.1)
+for cap in (None, 168):
+    mla_ops.MLA_MMA_MAXNREG = cap
+    mla_decode_attention(*args, num_splits=2)
+'''
+
+
+@pytest.mark.slow
+def test_register_tile_decode_takes_the_register_cap():
+    """MLA_MMA_MAXNREG reaches the register-tile kernel's compile: uncapped it takes more than 168 registers per
+    thread (two programs per SM), capped it takes 168 (three)."""
+    from tests.ops import sm90_probe
+
+    res = [r for r in sm90_probe.run_probe(MAXNREG_PROBE) if r[0] == "tq_mla_decode_mma_kernel"]
+    assert len(res) == 2, res
+    assert res[0][1] > 168 and res[1][1] == 168, res

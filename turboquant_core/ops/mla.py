@@ -123,6 +123,9 @@ MLA_WAVE_FILL_SLACK = 0.05
 MLA_MMA_WARPS = 4  # warps of the register-tile kernel, each holding DP / 4 latent coordinates
 MLA_MMA_BLOCK_N = 16
 MLA_MMA_DEPTH = 2  # tiles whose loads the register-tile kernel has in flight ahead of its arithmetic
+# Register cap of the register-tile kernel (None: ptxas's choice, 224-229 at 4 warps: two programs per SM). A cap of
+# 168 fits three, with spills to local memory (benchmarks/bench_mla_decode.py --launch mma:4:2:168 times it).
+MLA_MMA_MAXNREG: int | None = None
 
 
 def mla_mma_applies(layout: MLAPagedLayout, device) -> bool:
@@ -310,7 +313,7 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             h, num_splits, qk_scale, qk_scale, DP=lp, NW=MLA_MMA_WARPS, PAGE=lc["PAGE"],
             B=int(layout.fmt.latent.kernel_bits), IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"],
-            DEPTH=MLA_MMA_DEPTH, num_warps=MLA_MMA_WARPS,
+            DEPTH=MLA_MMA_DEPTH, num_warps=MLA_MMA_WARPS, **({"maxnreg": MLA_MMA_MAXNREG} if MLA_MMA_MAXNREG else {}),
         )
     else:
         _launch_triton_decode(q_rot, q_pe, u8, f16, bf16, block_table, seq_lens, part_o, part_l, h, num_splits,
