@@ -665,8 +665,8 @@ from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
 lay = mla_paged_layout("turboquant_k3v4_nc", 64)
 mla_ops._gluon_runs = lambda device: True
 args = (torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16),
-        allocate_mla_cache(4, lay), lay, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
-        0.1)
+        allocate_mla_cache(4, lay), lay, torch.zeros(2, 4, dtype=torch.int32),
+        torch.tensor([10, 20], dtype=torch.int32), 0.1)
 for cap in (None, 168):
     mla_ops.MLA_MMA_MAXNREG = cap
     mla_decode_attention(*args, num_splits=2)
