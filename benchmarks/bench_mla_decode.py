@@ -141,9 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", nargs="+", type=int, default=[16], help="query heads (DeepSeek-V2-Lite 16, V3 128)")
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
     ap.add_argument("--launch", nargs="+", type=parse_launch, default=[None],
-                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH[:MAXNREG] (the register-tile kernel) "
-                    "or "
-                    "Triton launch shapes HEADS,TOKENS,WARPS,STAGES")
+                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH[:MAXNREG] (the register-tile "
+                    "kernel) or Triton launch shapes HEADS,TOKENS,WARPS,STAGES")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases]
     if not torch.cuda.is_available():
