@@ -48,6 +48,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -238,7 +239,8 @@ def _serve(config: dict) -> dict:
 
 def run_engine(tmp_path: Path, **config) -> dict:
     """Run one engine configuration in a child process; its result (see ``_serve``), with ``log``: the file holding
-    the child's stdout and stderr (the engine's and its workers' log lines)."""
+    the child's stdout and stderr (the engine's and its workers' log lines). ``timeout_s`` (default 1800) bounds the
+    child: an engine that hangs in start-up fails the test, with its log so far, instead of holding the GPU."""
     blob = json.dumps(config, sort_keys=True)
     key = hashlib.sha1(blob.encode()).hexdigest()[:16]
     cfg, out = tmp_path / f"config-{key}.json", tmp_path / f"result-{key}.json"
@@ -246,9 +248,19 @@ def run_engine(tmp_path: Path, **config) -> dict:
     env = {**os.environ}
     if config.get("inprocess", True):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    res = subprocess.run([sys.executable, __file__, str(cfg), str(out)], env=env, capture_output=True, text=True,
-                         timeout=1800)
     log = tmp_path / f"log-{key}.txt"
+    # Its own process group: a timeout kills the engine's core and worker processes with it.
+    with subprocess.Popen([sys.executable, __file__, str(cfg), str(out)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=config.get("timeout_s", 1800))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            stdout, stderr = p.communicate()
+            log.write_text(stdout + "\n--- stderr ---\n" + stderr)
+            pytest.fail(f"engine did not finish within {config.get('timeout_s', 1800)} s; log so far: {log}\n"
+                        f"{stderr[-4000:]}")
+    res = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     log.write_text(res.stdout + "\n--- stderr ---\n" + res.stderr)
     short = {**config, "phases": [f"{ph.get('name')}: {len(ph['prompts'])} prompts" for ph in config["phases"]]}
     assert res.returncode == 0, f"{short}\n{res.stdout[-3000:]}\n{res.stderr[-8000:]}"

@@ -73,6 +73,7 @@ PROMPT_LENS = (12, 40, 100, 300, 700, 1500, 5, 33)  # 1500 > the 1024-token step
 MAX_TOKENS = 16
 DTYPES = ["auto", "fp8", "turboquant_k3v4_nc", "turboquant_4bit_nc"]
 OURS = "turboquant_k3v4_nc"
+ENGINE_TIMEOUT_S = 420  # a tiny engine starts in 40-100 s at TP=2; one that hangs fails here instead of holding both GPUs
 
 
 def _write_random_checkpoint(folder: Path, num_heads: int, num_kv_heads: int) -> Path:
@@ -125,7 +126,7 @@ def _run(engine, model: str | Path, dtype: str, tp: int, **config) -> dict:
         # memory) hangs there; scripts/bench_throughput.py --no-allreduce-rms-fusion does the same.
         compilation["pass_config"] = {"fuse_allreduce_rms": False}
     return engine(model=str(model), kv_cache_dtype=dtype, max_model_len=2048, max_num_batched_tokens=1024,
-                  enforce_eager=False, inprocess=False, kv_cache_gib=POOL_GIB, phases=phases,
+                  enforce_eager=False, inprocess=False, kv_cache_gib=POOL_GIB, phases=phases, timeout_s=ENGINE_TIMEOUT_S,
                   engine_kwargs=dict(tensor_parallel_size=tp, skip_tokenizer_init=True,
                                      compilation_config=compilation), **config)
 
