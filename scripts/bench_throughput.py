@@ -34,7 +34,9 @@ where ``LLMEngine.step`` hands them to its output processor: exact, no polling) 
 each request's ``RequestOutput.metrics`` (first and last token times): ``tpot_ms`` averages vLLM's per-request TPOT
 ((last - first token) / (tokens - 1)), which counts decode steps shared with other requests' prefill chunks;
 ``tpot_ms_no_prefill`` averages it over the requests whose first token came last, whose decode ran with no prefill of
-the scenario left (the decode-only number for S3's 8 x 32k prompts).
+the scenario left (the decode-only number for S3's 8 x 32k prompts); and the time to first token (vLLM's
+``first_token_latency``: ``ttft_ms`` the mean, ``ttft_ms_max`` the largest, for requests sent at once the prefill
+phase).
 """
 
 from __future__ import annotations
@@ -285,6 +287,18 @@ def request_timings(outputs) -> list[tuple[float, float, int]]:
     return rows
 
 
+def ttft_stats(outputs) -> dict:
+    """Time to first token from each RequestOutput's ``metrics.first_token_latency`` (vLLM's TTFT, seconds):
+    ``ttft_ms`` the mean, ``ttft_ms_max`` the largest; for a scenario's requests sent at once the largest is the
+    prefill phase, where a scenario that loses with level decode steps loses its time. Requests without one are
+    left out; none left: {}."""
+    lat = [float(m.first_token_latency) for o in outputs
+           if (m := getattr(o, "metrics", None)) is not None and getattr(m, "first_token_latency", 0.0) > 0]
+    if not lat:
+        return {}
+    return dict(ttft_ms=1e3 * sum(lat) / len(lat), ttft_ms_max=1e3 * max(lat))
+
+
 def tpot_stats(timings: Iterable[tuple[float, float, int]]) -> dict:
     """Time per output token apart from prefill, from (first token time, last token time, generated tokens) per
     request (seconds, one clock):
@@ -346,6 +360,7 @@ def worker(args: argparse.Namespace) -> None:
         if running is not None and running.peak is not None:
             row["peak_running_seqs"] = running.peak
         row.update(tpot_stats(request_timings(outs)))
+        row.update(ttft_stats(outs))
         rows.append(row)
     import torch
     import vllm
@@ -442,7 +457,7 @@ def summarize(rows: list[dict], baseline: str) -> str:
     show_expected = any(r.get("kv_capacity_expected_tokens") for r in rows)
     head = ["config", "install", *(["TP"] if show_tp else []), "kv_cache_dtype", "scenario", "output tok/s",
             "vs bf16", "KV capacity (tokens)", "vs bf16", *(["vs format table"] if show_expected else []),
-            "peak running", "TPOT ms", "TPOT ms, no prefill"]
+            "peak running", "TTFT ms, max", "TPOT ms", "TPOT ms, no prefill"]
 
     def line(cells: list) -> str:
         return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -461,7 +476,7 @@ def summarize(rows: list[dict], baseline: str) -> str:
                 f"{s['input_len']}/{s['output_len']}/{s['batch']}", f"{s['output_tok_per_s']:.0f}",
                 _ratio(s["output_tok_per_s"], bs), cap or "-", _ratio(cap, base_cap),
                 *([_ratio(cap, r.get("kv_capacity_expected_tokens"))] if show_expected else []),
-                _opt(s.get("peak_running_seqs"), "d"), _opt(s.get("tpot_ms"), ".1f"),
+                _opt(s.get("peak_running_seqs"), "d"), _opt(s.get("ttft_ms_max"), ".0f"), _opt(s.get("tpot_ms"), ".1f"),
                 _opt(s.get("tpot_ms_no_prefill"), ".1f")]))
     weights = [r for r in rows if r.get("weight_gib")]
     if weights:  # the weights suite: model memory as vLLM reports it after loading (one rank's under TP)

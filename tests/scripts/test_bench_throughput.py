@@ -159,18 +159,28 @@ def test_tpot_apart_from_prefill(bench):
     assert bench.request_timings(outs) == [(1.0, 2.0, 11)]
 
 
+def test_ttft_mean_and_largest(bench):
+    from types import SimpleNamespace
+
+    outs = [SimpleNamespace(metrics=SimpleNamespace(first_token_latency=v)) for v in (0.5, 1.5, 0.0)]
+    outs.append(SimpleNamespace(metrics=None))
+    assert bench.ttft_stats(outs) == dict(ttft_ms=pytest.approx(1000.0), ttft_ms_max=pytest.approx(1500.0))
+    assert bench.ttft_stats(outs[2:]) == {}
+
+
 def test_summary_shows_peak_running_and_tpot(bench):
     rows = _rows()
-    rows[1]["scenarios"][2].update(peak_running_seqs=512, tpot_ms=41.26, tpot_ms_no_prefill=30.04)
+    rows[1]["scenarios"][2].update(peak_running_seqs=512, ttft_ms=2103.0, ttft_ms_max=4180.4, tpot_ms=41.26,
+                                   tpot_ms_no_prefill=30.04)
     table = bench.summarize(rows, "bf16")
     head = table.splitlines()[0]
-    assert head.endswith("| peak running | TPOT ms | TPOT ms, no prefill |")
-    assert ("| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x | 1000 | 1.00x | 512 | 41.3 | 30.0 |"
+    assert head.endswith("| peak running | TTFT ms, max | TPOT ms | TPOT ms, no prefill |")
+    assert ("| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x | 1000 | 1.00x | 512 | 4180 | 41.3 | 30.0 |"
             in table)
-    assert "| bf16 | patched | bf16 | 2048/512/32 | 100 | 1.00x | 1000 | 1.00x | - | - | - |" in table
+    assert "| bf16 | patched | bf16 | 2048/512/32 | 100 | 1.00x | 1000 | 1.00x | - | - | - | - |" in table
     failed = bench.summarize([dict(name="x", install="patched", kv_cache_dtype="auto")], "bf16")
-    assert failed.splitlines()[2] == "| x | patched | auto | - | failed | - | - | - | - | - | - |"
-    assert all(line.count("|") == 12 for line in table.splitlines() + failed.splitlines())
+    assert failed.splitlines()[2] == "| x | patched | auto | - | failed | - | - | - | - | - | - | - |"
+    assert all(line.count("|") == 13 for line in table.splitlines() + failed.splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -273,10 +283,10 @@ def test_summary_compares_each_tensor_parallel_size_with_its_own_baseline(bench)
     table = bench.summarize(rows, "bf16").splitlines()
     assert table[0].startswith("| config | install | TP | kv_cache_dtype |") and "vs format table" not in table[0]
     assert table[3] == ("| ours-k3v4 | patched | 1 | ours-k3v4 | 2048/512/384 | 1400 | 1.40x | 445000 | 4.45x "
-                        "| - | - | - |")
+                        "| - | - | - | - |")
     assert table[5] == ("| ours-k3v4 | patched | 2 | ours-k3v4 | 2048/512/384 | 1800 | 1.00x | 1958000 | 4.45x "
-                        "| - | - | - |")
+                        "| - | - | - | - |")
     # One size only, as every run before the option: the table as it was, no TP column.
     assert bench.summarize([dict(r, tensor_parallel_size=1) for r in rows[:2]], "bf16").splitlines()[0] == (
         "| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 "
-        "| peak running | TPOT ms | TPOT ms, no prefill |")
+        "| peak running | TTFT ms, max | TPOT ms | TPOT ms, no prefill |")
