@@ -34,7 +34,8 @@ def fiar(monkeypatch):
         if backend == "mnnvl" and mode["mnnvl"] == "raises":
             made.append((backend, None))
             raise RuntimeError("[SymmDeviceMemory] Device does not support multicasting.")
-        mc = {"no-multicast": 0, "multicast": 0x7F0000000000}[mode["mnnvl"]] if backend == "mnnvl" else None
+        mc = {"no-multicast": 0, "multicast": 0x7F0000000000, "unknown": None}[mode["mnnvl"]] if backend == "mnnvl" \
+            else None
         made.append((backend, mc))
         ws = SimpleNamespace(backend=backend, destroy=lambda: destroyed.append(backend))
         if mc is not None:
@@ -74,6 +75,12 @@ def test_with_multicast_the_mnnvl_workspace_is_kept(fiar):
     assert ws is not None and ws.backend == "mnnvl" and ws.mc_ptr != 0
     assert _workspace(fiar, quant=True) is ws  # the quant patterns share it, as before
     assert fiar.made == [("mnnvl", 0x7F0000000000)] and fiar.destroyed == []
+
+
+def test_a_workspace_that_does_not_say_is_kept(fiar):
+    fiar.mode["mnnvl"] = "unknown"  # a FlashInfer whose mnnvl workspace has no mc_ptr attribute
+    ws = _workspace(fiar)
+    assert ws is not None and ws.backend == "mnnvl" and fiar.destroyed == []
 
 
 def test_a_failed_mnnvl_creation_still_falls_back_to_trtllm(fiar):
