@@ -181,8 +181,8 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
         compilation["cudagraph_capture_sizes"] = [int(v) for v in args.cudagraph_sizes.split(",")]
     if getattr(args, "no_allreduce_rms_fusion", False):
-        # vLLM fuses all-reduce + RMSNorm at TP > 1 on Hopper through FlashInfer over torch symmetric memory; where
-        # the host has NVLink multicast turned off, that engine hangs in compile (plain all-reduce still works).
+        # vLLM fuses all-reduce + RMSNorm at TP > 1 on Hopper through FlashInfer's mnnvl workspace; without NVLink
+        # multicast stock vLLM 0.26.0 hangs there (vllm#48071; the fork's patch 0012 turns the fusion off itself).
         compilation["pass_config"] = {"fuse_allreduce_rms": False}
     if compilation:
         kwargs["compilation_config"] = compilation

@@ -14,8 +14,8 @@ How (``compile_ahead``):
    (``python -m turboquant_core.ops.compile_ahead``), which rebuild the same source and options and compile them
    with ``triton.compiler.compile`` for the device's target into the same on-disk cache. Each worker also builds the
    variant's host-side launcher: on NVIDIA GPUs Triton compiles one small C extension per kernel signature with the
-   system's C compiler when a kernel is first loaded (``CudaLauncher``), about a second each, and caches it beside
-   the kernels; it needs libcuda to link against, not a GPU.
+   system's C compiler when a kernel is first loaded (``CudaLauncher``), one after another in the engine, and caches
+   it beside the kernels; it needs libcuda to link against, not a GPU.
 3. The caller then runs the launches for real: each variant and its launcher are cache hits, loaded instead of
    compiled.
 
