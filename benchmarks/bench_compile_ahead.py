@@ -69,7 +69,7 @@ if mode == "serial":
     print(json.dumps(dict(mode=mode, seconds=time.perf_counter() - t0, variants=len(per), per_variant=per)))
 else:
     r = compile_ahead(warm, workers)
-    print(json.dumps(dict(mode=mode, seconds=time.perf_counter() - t0, **r.__dict__)))
+    print(json.dumps(dict(mode=mode, seconds=time.perf_counter() - t0, **r.summary())))
 '''
 
 

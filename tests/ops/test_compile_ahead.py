@@ -70,7 +70,7 @@ with counting_compiles() as count:
 for k in kernels:
     CudaLauncher(k.src, k.metadata)
 print(json.dumps(dict(
-    first=first.__dict__, second=second.__dict__, names=sorted(v.name for v in variants),
+    first=first.summary(), second=second.summary(), names=sorted(v.name for v in variants),
     cached=[is_cached(v) for v in variants], files=len(files), new_files=sorted(set(cache_files()) - set(files)),
     loaded=count.loaded, compiled=count.compiled, preload_s=time.perf_counter() - t0)))
 '''
@@ -117,6 +117,68 @@ def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp
     assert second["variants"] == 4 and second["cached"] == 4 and second["compiled"] == 0 and second["workers"] == 0
     assert res["loaded"] == 4 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
     assert res["new_files"] == [], "Triton's compile path or launcher build did not find what the workers wrote"
+
+
+RECOMPILE_SCRIPT = r'''
+import json, os
+
+import torch
+from triton.runtime.driver import driver
+
+from tests.ops.sm90_probe import Sm90Driver
+
+driver.set_active(Sm90Driver())
+
+from turboquant_core.ops import paged_decode
+from turboquant_core.ops.compile_ahead import _jit_function, compile_ahead, counting_compiles, explain_recompile
+from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
+
+paged_decode._gluon_runs = lambda device: True
+layout = paged_layout("turboquant_4bit_nc", head_dim=64, block_size=16)
+cache = allocate_kv_cache(8, 3, layout)
+ahead = compile_ahead(lambda: warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, paths=("decode",)), workers=2)
+variant = {v.name: v for v in ahead.recorded}
+
+
+def launch_again(name):
+    with counting_compiles() as count:
+        _jit_function(variant[name]).preload(variant[name].specialization)
+    return count.compiled, explain_recompile(ahead, *count.first_compiled)
+
+
+out = {"ahead": ahead.compiled}
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # one of Triton's cache-invalidating variables
+out["env"] = launch_again("tq_merge_unrotate_kernel")
+del os.environ["TRITON_DISABLE_LINE_INFO"]
+out["dir_ahead"], out["dir_now"] = ahead.cache_dir, os.environ["OTHER_CACHE_DIR"]
+os.environ["TRITON_CACHE_DIR"] = os.environ["OTHER_CACHE_DIR"]
+out["dir"] = launch_again("tq_rotate_queries_kernel")
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp_path):
+    """A launch that compiles what the workers compiled says why: the part of Triton's cache key that changed (here a
+    cache-invalidating environment variable), or, with the same key, the cache directory that changed."""
+    libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               OTHER_CACHE_DIR=str(tmp_path / "other"), TRITON_LIBCUDA_PATH=libcuda,
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
+    env.pop("TRITON_DISABLE_LINE_INFO", None)
+    p = subprocess.run([sys.executable, "-c", RECOMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["ahead"] == 4
+    compiled, why = res["env"]
+    assert compiled == ["tq_merge_unrotate_kernel"]
+    assert why == ("tq_merge_unrotate_kernel: Triton's cache key differs from the variant compiled ahead in "
+                   "env TRITON_DISABLE_LINE_INFO (none) -> true"), why
+    compiled, why = res["dir"]
+    assert compiled == ["tq_rotate_queries_kernel"]
+    assert why == (f"tq_rotate_queries_kernel: same cache key, but Triton's cache directory was {res['dir_ahead']} "
+                   f"ahead and is {res['dir_now']} now"), why
 
 
 def test_a_variant_that_cannot_compile_is_reported_not_raised():

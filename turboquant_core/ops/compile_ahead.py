@@ -81,6 +81,13 @@ class CompileAheadReport:
     workers: int = 0
     record_s: float = 0.0
     compile_s: float = 0.0
+    recorded: list[KernelVariant] = field(default_factory=list, repr=False)
+    cache_dir: str = ""
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """The counts, times, cache directory and environment, JSON-ready (without the recorded variants)."""
+        return {k: v for k, v in self.__dict__.items() if k != "recorded"}
 
     def describe(self) -> str:
         text = (f"{self.variants} kernel variants, {self.cached} already cached, {self.compiled} compiled "
@@ -116,10 +123,11 @@ def recording_variants():
 @dataclass
 class CompileCount:
     """Variants Triton's compile path loaded from its on-disk cache or compiled, while ``counting_compiles`` was
-    open (the names of those compiled)."""
+    open (the names of those compiled; the source and metadata of the first, for ``explain_recompile``)."""
 
     loaded: int = 0
     compiled: list[str] = field(default_factory=list)
+    first_compiled: tuple[object, dict] | None = field(default=None, repr=False)
 
 
 @contextmanager
@@ -134,6 +142,8 @@ def counting_compiles():
             count.loaded += 1
         else:
             count.compiled.append(getattr(src, "name", str(src)))
+            if count.first_compiled is None:
+                count.first_compiled = (src, dict(kw.get("metadata") or {}))
         if previous is not None:
             previous(src=src, cache_hit=cache_hit, **kw)
 
@@ -192,6 +202,48 @@ def is_cached(variant: KernelVariant) -> bool:
     return not knobs.compilation.always_compile and group.get(name) is not None
 
 
+def _key_parts(src, target: GPUTarget, options: dict, env_vars: dict) -> dict[str, str]:
+    """The parts of Triton's compile-cache key (``get_cache_key``: source, specialization, backend, options,
+    cache-invalidating environment variables) for one source, target and options, each as text."""
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    parts = {"source": src.fn.cache_key, "attributes": str(src.attrs),
+             "signature": str([v for _, v in sorted(src.signature.items())]), "backend": backend.hash()}
+    parts.update({f"constant {k}": getattr(v, "cache_key", None) or str(v) for k, v in src.constants.items()})
+    parts.update({f"option {k}": str(v) for k, v in opts.__dict__.items()})
+    parts.update({f"env {k}": str(v) for k, v in env_vars.items()})
+    return parts
+
+
+def explain_recompile(report: CompileAheadReport, src, metadata: dict) -> str:
+    """Why a launch compiled a kernel that ``compile_ahead`` had recorded (``report``) and compiled or found cached:
+    the parts of Triton's cache key in which the launch differs from the recorded variant of that kernel closest to
+    it, or, where the keys agree, the cache directories of the two."""
+    name = getattr(src, "name", "")
+    candidates = [v for v in report.recorded if v.name.rsplit(".", 1)[-1] == name]
+    cache_dir = knobs.cache.dir
+    if not candidates:
+        return f"{name}: not among the {len(report.recorded)} variants recorded ahead"
+    target = metadata.get("target")
+    if not isinstance(target, GPUTarget):
+        target = GPUTarget(*candidates[0].target)
+    launched = _key_parts(src, target, metadata, get_cache_invalidating_env_vars())
+    best: list[str] | None = None
+    for v in candidates:
+        v_src, v_target, v_options = _compile_inputs(v)
+        recorded = _key_parts(v_src, v_target, v_options, report.env_vars)
+        diff = [f"{k} {recorded.get(k, '(none)')[:60]} -> {launched.get(k, '(none)')[:60]}"
+                for k in sorted(set(recorded) | set(launched)) if recorded.get(k) != launched.get(k)]
+        if best is None or len(diff) < len(best):
+            best = diff
+    if best:
+        return f"{name}: Triton's cache key differs from the variant compiled ahead in " + "; ".join(best[:4])
+    if cache_dir != report.cache_dir:
+        return (f"{name}: same cache key, but Triton's cache directory was {report.cache_dir} ahead and is "
+                f"{cache_dir} now")
+    return f"{name}: same cache key and cache directory ({cache_dir}), yet not found there"
+
+
 def compile_variant(variant: KernelVariant):
     """Compile one variant into Triton's on-disk cache (a cache hit returns at once)."""
     src, target, options = _compile_inputs(variant)
@@ -246,6 +298,7 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
     lock = threading.Lock()
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU; a worker must not open a context on one
+    env["TRITON_CACHE_DIR"] = knobs.cache.dir  # this process's cache, wherever its setting came from
     # The modules this process imported, from the same places (a function's source is part of its cache key).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     deadline = time.monotonic() + timeout_s
@@ -308,6 +361,8 @@ def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadRep
     variants = list(found.values())
     todo = [v for v in variants if not is_cached(v)]
     report.variants, report.cached = len(variants), len(variants) - len(todo)
+    report.recorded, report.cache_dir = variants, knobs.cache.dir
+    report.env_vars = dict(get_cache_invalidating_env_vars())
     report.record_s = time.perf_counter() - t0
     if todo and workers >= 2:
         t0 = time.perf_counter()
@@ -349,4 +404,4 @@ if __name__ == "__main__":
 
 __all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "CompileCount", "KernelVariant", "WorkerOutcome",
            "build_launcher", "compile_ahead", "compile_in_workers", "compile_variant", "counting_compiles",
-           "default_workers", "is_cached", "recording_variants"]
+           "default_workers", "explain_recompile", "is_cached", "recording_variants"]

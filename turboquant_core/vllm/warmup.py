@@ -22,7 +22,12 @@ import torch
 from vllm.logger import init_logger
 
 from ..config import TQConfig
-from ..ops.compile_ahead import compile_ahead, counting_compiles, default_workers
+from ..ops.compile_ahead import (
+    compile_ahead,
+    counting_compiles,
+    default_workers,
+    explain_recompile,
+)
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
 from .centering import attach_key_centering
@@ -98,6 +103,7 @@ def warmup_tq_attention(model_runner) -> None:
         return
     # The variants compile in parallel processes first (no GPU needed), then the real
     # launches load them from Triton's cache instead of compiling one after another.
+    ahead = None
     try:
         ahead = compile_ahead(
             lambda: [job() for job in jobs], _compile_workers(model_runner)
@@ -124,6 +130,19 @@ def warmup_tq_attention(model_runner) -> None:
         len(count.compiled),
         f": {', '.join(sorted(set(count.compiled)))}" if count.compiled else "",
     )
+    if ahead is not None and count.first_compiled is not None and ahead.compiled + ahead.cached:
+        # Variants compiled ahead (or found cached) that the launches compiled anyway: say which part of Triton's
+        # cache key or which cache directory parted them, so that the start-up time lost can be traced.
+        try:
+            why = explain_recompile(ahead, *count.first_compiled)
+        except Exception as e:  # a diagnosis only
+            why = f"{type(e).__name__}: {e}"
+        logger.warning(
+            "TurboQuant attention: %d of the variants prepared ahead were compiled again in "
+            "this process; first: %s",
+            len(count.compiled),
+            why,
+        )
 
 
 def _compile_workers(model_runner) -> int:
