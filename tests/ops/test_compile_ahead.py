@@ -130,7 +130,8 @@ from tests.ops.sm90_probe import Sm90Driver
 driver.set_active(Sm90Driver())
 
 from turboquant_core.ops import paged_decode
-from turboquant_core.ops.compile_ahead import _jit_function, compile_ahead, counting_compiles, explain_recompile
+from turboquant_core.ops.compile_ahead import (_jit_function, compile_ahead, counting_compiles, explain_recompile,
+                                               loading_from)
 from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
 
 paged_decode._gluon_runs = lambda device: True
@@ -143,7 +144,7 @@ variant = {v.name: v for v in ahead.recorded}
 def launch_again(name):
     with counting_compiles() as count:
         _jit_function(variant[name]).preload(variant[name].specialization)
-    return count.compiled, explain_recompile(ahead, *count.first_compiled)
+    return count.compiled, count.first_compiled and explain_recompile(ahead, *count.first_compiled)
 
 
 out = {"ahead": ahead.compiled}
@@ -153,6 +154,8 @@ del os.environ["TRITON_DISABLE_LINE_INFO"]
 out["dir_ahead"], out["dir_now"] = ahead.cache_dir, os.environ["OTHER_CACHE_DIR"]
 os.environ["TRITON_CACHE_DIR"] = os.environ["OTHER_CACHE_DIR"]
 out["dir"] = launch_again("tq_rotate_queries_kernel")
+with loading_from(ahead) as moved:  # the directory compiled into, for the duration
+    out["pinned"] = [moved, launch_again("tq_paged_store_kernel")]
 print(json.dumps(out))
 '''
 
@@ -160,7 +163,8 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp_path):
     """A launch that compiles what the workers compiled says why: the part of Triton's cache key that changed (here a
-    cache-invalidating environment variable), or, with the same key, the cache directory that changed."""
+    cache-invalidating environment variable), or, with the same key, the cache directory that changed; inside
+    ``loading_from`` it loads from the directory compiled into."""
     libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
                OTHER_CACHE_DIR=str(tmp_path / "other"), TRITON_LIBCUDA_PATH=libcuda,
@@ -179,6 +183,8 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     assert compiled == ["tq_rotate_queries_kernel"]
     assert why == (f"tq_rotate_queries_kernel: same cache key, but Triton's cache directory was {res['dir_ahead']} "
                    f"ahead and is {res['dir_now']} now"), why
+    # loading_from: the directory compiled into while open: a load, not a compile
+    assert res["pinned"] == [res["dir_now"], [[], None]]
 
 
 def test_a_variant_that_cannot_compile_is_reported_not_raised():

@@ -154,6 +154,20 @@ def counting_compiles():
         knobs.compilation.listener = previous
 
 
+@contextmanager
+def loading_from(report: CompileAheadReport):
+    """While open, Triton's cache directory is the one ``compile_ahead`` compiled into (``report.cache_dir``), had
+    it changed since (a library that sets TRITON_CACHE_DIR when it first loads a kernel of its own). Yields the
+    directory it had before, or None where nothing changed."""
+    before = knobs.cache.dir
+    if not report.cache_dir or before == report.cache_dir:
+        yield None
+        return
+    with knobs.cache.scope():
+        knobs.cache.dir = report.cache_dir
+        yield before
+
+
 def _jit_function(variant: KernelVariant):
     fn = importlib.import_module(variant.module)
     for part in variant.name.split("."):
@@ -404,4 +418,4 @@ if __name__ == "__main__":
 
 __all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "CompileCount", "KernelVariant", "WorkerOutcome",
            "build_launcher", "compile_ahead", "compile_in_workers", "compile_variant", "counting_compiles",
-           "default_workers", "explain_recompile", "is_cached", "recording_variants"]
+           "default_workers", "explain_recompile", "is_cached", "loading_from", "recording_variants"]

@@ -15,6 +15,7 @@ node's CPUs), and the warm-up then runs for real, loading each variant from the 
 variants one after another in the engine process.
 """
 
+import contextlib
 import functools
 import time
 
@@ -27,6 +28,7 @@ from ..ops.compile_ahead import (
     counting_compiles,
     default_workers,
     explain_recompile,
+    loading_from,
 )
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
@@ -117,7 +119,14 @@ def warmup_tq_attention(model_runner) -> None:
             e,
         )
     t0 = time.perf_counter()
-    with counting_compiles() as count:
+    with loading_from(ahead) if ahead is not None else contextlib.nullcontext() as moved, counting_compiles() as count:
+        if moved:
+            logger.info(
+                "TurboQuant attention: Triton's cache directory changed from %s to %s after compiling ahead; "
+                "the warm-up loads from the first",
+                ahead.cache_dir,
+                moved,
+            )
         launches = sum(job() for job in jobs)
     if torch.accelerator.is_available():
         torch.accelerator.synchronize()
