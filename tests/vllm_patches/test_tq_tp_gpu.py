@@ -11,7 +11,8 @@
 - Greedy agreement: of 8 prompts, how many give the same first 16 tokens at TP=2 as at TP=1. The two engines sum in
   different orders (the row-parallel layers' all-reduce), so bf16 itself may part at near-ties; ours must agree in at
   least as many prompts as bf16 does. Both counts are printed and, with the capacities, written to
-  TQ_TP_SUMMARY_JSON (default: a file in pytest's tmp_path; the path is printed, run with ``-s`` to see it).
+  TQ_TP_SUMMARY_JSON (default: a file in pytest's tmp_path; the path is printed, run with ``-s`` to see it), with
+  each engine's tokens and, for every compressed cache, how many prompts give bf16's tokens at the same size.
 - KV head layouts: one KV head (vLLM replicates it on both ranks) and three (two ranks can neither split nor
   replicate them evenly). Whatever vLLM does with bf16 at TP=2, start or refuse, it must do with ours: a replicated
   head starts, finite, with the tokens of one whole head per rank; a refusal names bf16's error. The same for the real
@@ -131,6 +132,14 @@ def _run(engine, model: str | Path, dtype: str, tp: int, **config) -> dict:
                                      compilation_config=compilation), **config)
 
 
+def _vs_bf16(runs: dict, ref: dict) -> dict:
+    """How many prompts give bf16's first tokens at the same tensor-parallel size: the KV cache's own effect on the
+    greedy tokens, next to which a TP=2 vs TP=1 agreement reads (a model whose tokens part from bf16's at TP=1 already
+    parts from itself between TP=1 and TP=2 as easily: the two sizes round differently, and a compressed cache turns
+    small differences in the keys into different codes)."""
+    return {f"agrees_with_bf16_tp{tp}": _n_agree(_tokens(runs[tp]), _tokens(ref[tp]), MAX_TOKENS) for tp in (1, 2)}
+
+
 def _log(run: dict) -> str:
     return Path(run["log"]).read_text()
 
@@ -181,7 +190,9 @@ def test_tp2_capacity_finite_and_greedy_as_tp1(engine, checkpoint, summary, dtyp
     if dtype != "auto":
         ref = {tp: _run(engine, model, "auto", tp) for tp in (1, 2)}  # memoized: bf16's own test ran them
         row.update(bf16_tp2_agrees_with_tp1=_n_agree(_tokens(ref[2]), _tokens(ref[1]), MAX_TOKENS),
-                   kv_tokens_tp2_vs_bf16=tokens[2] / (ref[2]["num_gpu_blocks"] * ref[2]["block_size"]))
+                   kv_tokens_tp2_vs_bf16=tokens[2] / (ref[2]["num_gpu_blocks"] * ref[2]["block_size"]),
+                   **_vs_bf16(runs, ref))
+    row["tokens"] = {f"tp{tp}": _tokens(run) for tp, run in runs.items()}
     summary(dtype, row)
     print(f"{dtype}: first {MAX_TOKENS} greedy tokens of TP=2 equal TP=1's for {agree}/{n} prompts (bf16: "
           f"{row.get('bf16_tp2_agrees_with_tp1', agree)}/{n}); KV tokens TP=1 {tokens[1]}, TP=2 {tokens[2]}")
@@ -226,7 +237,10 @@ def _check_same_outcome(engine, model: str | Path, label: str, summary) -> tuple
     n = len(PROMPT_LENS)
     agree = {dtype: _n_agree(_tokens(two), _tokens(one[dtype]), MAX_TOKENS)
              for dtype, two in (("auto", ref), (OURS, got))}
-    summary(label, dict(started=True, tp2_agrees_with_tp1=agree, prompts=n))
+    summary(label, dict(started=True, tp2_agrees_with_tp1=agree, prompts=n,
+                        **_vs_bf16({1: one[OURS], 2: got}, {1: one["auto"], 2: ref}),
+                        tokens={f"{dtype}_tp{tp}": _tokens(run) for dtype, tp, run in (
+                            ("auto", 1, one["auto"]), ("auto", 2, ref), (OURS, 1, one[OURS]), (OURS, 2, got))}))
     print(f"{label}: starts at TP=2; first {MAX_TOKENS} greedy tokens equal TP=1's for {agree[OURS]}/{n} prompts "
           f"with {OURS}, {agree['auto']}/{n} with bf16")
     return ref, got
