@@ -16,6 +16,7 @@ One failing configuration is recorded and skipped; the run goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -178,6 +179,8 @@ def bench_decode(args, out_rows, bw):
                 row = dict(kind="decode", batch=batch, context=context, preset=fmt, kv_bytes=kv_bytes,
                            bf16_bytes=bf16_bytes, copy_bw_gbs=bw, **baseline_done)
                 try:
+                    if kernel == "wgmma":
+                        cfg = dataclasses.replace(cfg, decode_kernel="wgmma")
                     plan = TQAttentionPlan(lay, 32, 8, dev, config=cfg)
                     plan.plan(b["block_table"], b["qsl"], b["seq_lens"], num_tokens=batch, max_query_len=1,
                               max_seq_len=context, num_splits=args.num_splits)
@@ -185,8 +188,9 @@ def bench_decode(args, out_rows, bw):
                         plan.decode_splits = 0  # the Triton kernel, which the plan uses where the other does not apply
                     out = torch.empty_like(b["q"])
                     row.update(config=repr(plan.config), num_splits=plan.decode_splits or plan.num_splits,
-                               decode_kernel="register-tile" if plan.decode_splits else "triton",
-                               decode_block_n=paged_decode.DECODE_BLOCK_N if plan.decode_splits else None,
+                               decode_kernel=plan.decode_kernel if plan.decode_splits else "triton",
+                               decode_block_n=(paged_decode.DECODE_BLOCK_N if plan.decode_kernel == "register-tile"
+                                               and plan.decode_splits else None),
                                block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps,
                                maxnreg=plan.maxnreg)
 
@@ -458,7 +462,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-splits", type=int, default=None, help="force the split count (default: heuristic)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated: auto (what TQAttentionPlan picks: the register-tile kernel where it "
-                         "applies), triton (the Triton kernel)")
+                         "applies), wgmma (the e4m3 warpgroup-MMA kernel where it applies: sm_90, k3v4, head_dim "
+                         "128), triton (the Triton kernel)")
     ap.add_argument("--decode-block-ns", default=str(paged_decode.DECODE_BLOCK_N),
                     help="comma-separated tokens per tile of the register-tile kernel (paged_decode.DECODE_BLOCK_N)")
     ap.add_argument("--inspect", default=None, help="directory to dump the attention kernel's TTGIR into")
@@ -468,8 +473,8 @@ def main(argv=None) -> int:
     args.cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
     args.decode_kernels = [k.strip() for k in args.decode_kernels.split(",")]
     args.decode_block_ns = [int(v) for v in args.decode_block_ns.split(",")]
-    if bad := [k for k in args.decode_kernels if k not in ("auto", "triton")]:
-        ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, triton")
+    if bad := [k for k in args.decode_kernels if k not in ("auto", "wgmma", "triton")]:
+        ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, wgmma, triton")
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2

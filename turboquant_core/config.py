@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 KEY_SMOOTHING_MODES = ("auto", "all", "off")
+DECODE_KERNELS = ("auto", "wgmma")  # ops.paged_attention.TQAttentionConfig.decode_kernel
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class TQConfig:
     compile_workers: processes that compile the kernel variants at start-up, in parallel, before the warm-up runs
         them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks
         (at most 16); 1 compiles them one after another in the engine process.
+    decode_kernel: the decode attention kernel: ``auto`` the register-tile kernel (``ops.paged_decode``); ``wgmma``
+        e4m3 operands through Hopper warpgroup MMA (``ops.paged_decode_wgmma``) where it applies (sm_90,
+        turboquant_k3v4_nc, head size 128, GQA group <= 8, one query per request, keys not centred), elsewhere as
+        ``auto``.
     """
 
     key_centering: bool = True
@@ -44,6 +49,7 @@ class TQConfig:
     attention_workspace_mb: int = 32
     prefill_from_cache: bool = False
     compile_workers: int = 0
+    decode_kernel: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -62,6 +68,8 @@ class TQConfig:
         if not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool) \
                 or self.compile_workers < 0:
             raise ValueError(f"compile_workers must be an integer >= 0 (0: automatic), got {self.compile_workers!r}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
 
     def uuid(self) -> str:
         """Stable identity (vLLM's config hashing accepts objects that provide one)."""
@@ -71,7 +79,7 @@ class TQConfig:
         return (f"key centering {'on' if self.key_centering else 'off'}, key smoothing {self.key_smoothing}, "
                 f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB, "
                 f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}, "
-                f"{self.compile_workers or 'automatic'} compile workers")
+                f"{self.compile_workers or 'automatic'} compile workers, decode kernel {self.decode_kernel}")
 
     @classmethod
     def from_vllm(cls, vllm_config) -> TQConfig:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..config import DECODE_KERNELS
 from ..kernels.paged_attention_jit import (
     tq_merge_splits_kernel,
     tq_paged_attention_kernel,
@@ -54,6 +55,7 @@ from .page_layout import (
 )
 from .paged_decode import (
     DECODE_MAX_COLUMNS,
+    DECODE_PROGRAMS_PER_SM,
     LN2,
     codebook_permute_words,
     decode_path_applies,
@@ -61,6 +63,7 @@ from .paged_decode import (
     num_decode_splits,
     run_decode,
 )
+from .paged_decode_wgmma import WGMMA_PROGRAMS_PER_SM, run_decode_wgmma, wgmma_decode_applies, wgmma_table_words
 
 # ----------------------------------------------------------------------------------------------
 # Attention
@@ -81,6 +84,10 @@ class TQAttentionConfig:
     num_stages: int = 2
     block_m: int = 0  # 0: chosen from GQA group size x queries per request (16 for decode)
     maxnreg: int = 0  # register cap per thread, GPU only (0: 128 for decode-sized blocks, else none)
+    # Decode batches: "auto" runs the register-tile kernel where it serves them (``ops.paged_decode``); "wgmma" the
+    # e4m3 warpgroup-MMA kernel where it serves them (``ops.paged_decode_wgmma``: sm_90, k3v4, head_dim 128, plain
+    # keys), else as "auto".
+    decode_kernel: str = "auto"
 
 
 def _interpreting() -> bool:
@@ -133,6 +140,8 @@ class TQAttentionPlan:
             raise ValueError(f"GQA group size {self.group} > 128 is not supported")
         self.device = torch.device(device)
         self.config = config or TQAttentionConfig()
+        if self.config.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"unknown decode kernel {self.config.decode_kernel!r}; choose from {DECODE_KERNELS}")
         self.max_num_splits = max_num_splits
         if workspace is None:
             workspace = torch.empty(max(workspace_bytes // 4, 1), dtype=torch.float32, device=self.device)
@@ -153,6 +162,11 @@ class TQAttentionPlan:
         if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
             self.decode_words = (codebook_permute_words(self.k_tables.cent_f16[0]),
                                  codebook_permute_words(self.v_tables.cent_f16[0]))
+        # The e4m3 warpgroup-MMA kernel's codebook registers, where the configuration asks for it and it applies.
+        self.wgmma_words = None
+        if self.config.decode_kernel == "wgmma" and wgmma_decode_applies(
+                layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
+            self.wgmma_words = wgmma_table_words(layout)
         self._planned = False
 
     def plan(self, block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -205,18 +219,23 @@ class TQAttentionPlan:
         self.block_n = cfg.block_n or (128 if decode_sized else 64 if d <= 128 else 32)
         self.num_warps = cfg.num_warps or (4 if block_m <= 64 else 8)
         self.maxnreg = cfg.maxnreg or (128 if decode_sized else 0)
-        # Decode batches run on the register-tile kernel where it serves them (``ops.paged_decode``).
-        self.decode_splits = 0
-        if self.decode_words is not None and decode_path_applies(
+        # Decode batches run on the register-tile kernel where it serves them (``ops.paged_decode``), or on the
+        # e4m3 warpgroup-MMA kernel where the configuration asks for it and it serves them.
+        self.decode_splits, self.decode_kernel = 0, None
+        wgmma = self.wgmma_words is not None and wgmma_decode_applies(
+            self.layout, g, self.device, max_query_len=max_query_len, causal=causal, sliding_window=sliding_window)
+        if wgmma or (self.decode_words is not None and decode_path_applies(
                 self.layout, g, self.device, max_query_len=max_query_len, causal=causal,
-                sliding_window=sliding_window):
+                sliding_window=sliding_window)):
+            per_sm = WGMMA_PROGRAMS_PER_SM if wgmma else DECODE_PROGRAMS_PER_SM
             ds = requested_splits if requested_splits is not None else num_decode_splits(
-                num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits)
+                num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits,
+                programs_per_sm=per_sm)
             while ds > 1 and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) > \
                     self.workspace.numel():
                 ds -= 1
             if decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) <= self.workspace.numel():
-                self.decode_splits = ds
+                self.decode_splits, self.decode_kernel = ds, "wgmma" if wgmma else "register-tile"
         self._planned = True
         return self
 
@@ -257,7 +276,10 @@ class TQAttentionPlan:
         if tq == 0 or self.num_reqs == 0:
             return (out, lse) if return_lse else out
         if self.decode_splits:
-            run_decode(self, q, u8, f16, out, lse if write_lse else None, centering, center_sums)
+            if self.decode_kernel == "wgmma" and centering is None:
+                run_decode_wgmma(self, q, u8, out, lse if write_lse else None)
+            else:  # the register-tile kernel serves every batch the other does, key centering included
+                run_decode(self, q, u8, f16, out, lse if write_lse else None, centering, center_sums)
             return (out, lse) if return_lse else out
         s = self.num_splits
         if s > 1:

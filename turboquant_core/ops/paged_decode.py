@@ -113,15 +113,15 @@ def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
 
 
 def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
-                      max_splits: int) -> int:
-    """KV splits per (request, KV head) for a decode batch: none when the pairs alone fill a wave of programs;
-    otherwise the fewest splits whose programs fill their waves within WAVE_FILL_SLACK of the best count (a
-    batch of one wave and a few programs takes about two waves' time), at most one split per ``min_tokens``
-    of the longest sequence and ``max_splits``."""
+                      max_splits: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
+    """KV splits per (request, KV head) for a decode batch: none when the pairs alone fill a wave of programs
+    (``programs_per_sm`` per SM); otherwise the fewest splits whose programs fill their waves within
+    WAVE_FILL_SLACK of the best count (a batch of one wave and a few programs takes about two waves' time), at
+    most one split per ``min_tokens`` of the longest sequence and ``max_splits``."""
     from .paged_attention import _sm_count
 
     pairs = max(num_reqs * num_kv_heads, 1)
-    wave = DECODE_PROGRAMS_PER_SM * _sm_count(str(device))
+    wave = programs_per_sm * _sm_count(str(device))
     most = max(1, min(max_seq_len // min_tokens, max_splits))
     if pairs >= wave or most == 1:
         return 1
@@ -163,6 +163,17 @@ def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, nu
     return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits)[-1]
 
 
+def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
+    """The decode path's views of the workspace (``_workspace_sections``): partial outputs [splits, T, Hq, d] and
+    log-sum-exps [splits, T, Hq] (fp32), rotated queries [T, Hq, d] (fp16), centering operands [T, Hq, 2, d] (fp16)
+    and scales [T, Hq] (fp32)."""
+    tq, hq, d, s = num_tokens, num_q_heads, head_dim, num_splits
+    o_off, l_off, q_off, c_off, s_off, end = _workspace_sections(tq, hq, d, s)
+    return (ws[o_off : o_off + s * tq * hq * d].view(s, tq, hq, d), ws[l_off : l_off + s * tq * hq].view(s, tq, hq),
+            ws[q_off:c_off].view(torch.float16)[: tq * hq * d].view(tq, hq, d),
+            ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d), ws[s_off:end].view(tq, hq))
+
+
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
@@ -179,13 +190,7 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     vt: _ComponentTables = plan.v_tables
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
-    ws = plan.workspace
-    o_off, l_off, q_off, c_off, s_off, end = _workspace_sections(tq, hq, d, s)
-    part_o = ws[o_off : o_off + s * tq * hq * d].view(s, tq, hq, d)
-    part_l = ws[l_off : l_off + s * tq * hq].view(s, tq, hq)
-    qrot = ws[q_off : c_off].view(torch.float16)[: tq * hq * d].view(tq, hq, d)
-    cwz = ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d)
-    cscale = ws[s_off:end].view(tq, hq)
+    part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
     gqp = triton.next_power_of_2(plan.group)
     ql = plan.max_query_len
     if centering is not None:

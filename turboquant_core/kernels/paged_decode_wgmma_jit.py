@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode attention over today's paged TurboQuant pages with e4m3 operands through Hopper warpgroup MMA (Gluon,
+sm_90a; jit only, launcher: ``ops.paged_decode_wgmma``).
+
+One warpgroup (4 warps) serves one (request, KV head, KV split) and the GQA group's queries (one query token per
+request, the group padded to N = 8 MMA columns). Per tile of 64 cached tokens:
+1. S^T [64 tok, 8] = K [64, 128] . Q'^T [128, 8]: K is the A operand, looked up from the 3-bit indices straight into
+   e4m3 registers (one ``prmt`` per 4 values from the 8-entry codebook held in two registers); Q'^T (e4m3, stored
+   once) is the B operand in shared memory: 4 x QGMMA.64x8x32.
+2. Online softmax over the tokens (log2 domain, whole-number maxima); P^T * v_scale to shared memory in e4m3, at a
+   power-of-two scale that follows the largest value scale so far.
+3. O^T [128, 8] += V^T [128, 64] . P^T [64, 8]: V^T looked up from the 4-bit indices (natural indices turned into
+   sign and magnitude in registers; the value codebook is symmetric) from its 8 magnitudes: 4 x QGMMA.64x8x32.
+
+The pages are the store kernel's (``ops.page_layout``, planar8), read in place:
+- keys: each of the 4 threads holding a token's A row loads the word of its 4 groups from planes 0, 1 and 2 and
+  builds 4 selector words pairing fields (0, 4), (1, 7), (3, 6), (2, 5) per byte lane; A column
+  k = sw * 32 + h * 16 + tid * 4 + j holds rotated coordinate ``WGMMA_KEY_ORDER[k]``;
+- values: a thread loads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
+  coordinate pair; V^T row R = q + 8e + 16w + 64s holds coordinate ``WGMMA_VALUE_ORDER[R]`` = 2q + s + 32w + 16e.
+The query rotation writes Q' in the key order and the split merge rotates the outputs back from the value order.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+PRMT_LOOKUP_8 = gl.constexpr("prmt.b32 $0, $5, $9, $1;")  # pack 4: $1-$4 selector, $5-$8 / $9-$12 table regs
+PRMT_LOOKUP_8_SIGN = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $5, $9, $1; xor.b32 $0, t, $13; }")
+PRMT_6420 = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")  # even bytes of (a, b)
+PRMT_7531 = gl.constexpr("prmt.b32 $0, $1, $2, 0x7531;")  # odd bytes of (a, b)
+
+# A column k = sw * 32 + h * 16 + tid * 4 + j of the key tile <- rotated coordinate (planar8 index position).
+WGMMA_KEY_FIELDS = ((0, 4), (1, 7), (3, 6), (2, 5))  # the fields (low, high nibble) of selector word sw
+WGMMA_KEY_ORDER = tuple(4 * tid + 2 * h + (j >> 1) + 16 * WGMMA_KEY_FIELDS[sw][j & 1]
+                        for sw in range(4) for h in range(2) for tid in range(4) for j in range(4))
+# V^T row R = q + 8e + 16w + 64s <- rotated coordinate 2q + s + 32w + 16e.
+WGMMA_VALUE_ORDER = tuple(2 * (r & 7) + (r >> 6) + 32 * ((r >> 4) & 3) + 16 * ((r >> 3) & 1) for r in range(128))
+
+
+@gluon.constexpr_function
+def _key5_layout():
+    """[64 tok, 4 sw, 2 h, 4 tid, 4 j] -> the wgmma A operand [64, 128] (k = sw*32 + h*16 + tid*4 + j) reg by reg."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0],
+                   [0, 2, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[64, 4, 2, 4, 4])
+
+
+@gluon.constexpr_function
+def _keyword_layout():
+    """[64 tok, 4 tid]: one index word per (token, thread)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
+
+
+@gluon.constexpr_function
+def _val5_layout():
+    """[128 rows, 2 kb, 2 h, 4 tid, 4 j] -> the A operand V^T [128, 64] (k = kb*32 + h*16 + tid*4 + j)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0],
+                   [64, 0, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[128, 2, 2, 4, 4])
+
+
+@gluon.constexpr_function
+def _valhalf_layout():
+    """[32 halfwords G = w * 8 + q, 2 kb, 2 h, 4 tid]: lane q, warp w, thread tid, so that the halfword's 4
+    coordinates are the A operand's rows q + 8e + 16w + 64s of the thread."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1, 0], [0, 1, 0, 0]],
+        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[32, 2, 2, 4])
+
+
+@gluon.jit
+def _value_selectors(x):
+    """x: byte j = token j's byte of one coordinate pair (natural 4-bit indices, low nibble e = 0) -> (selector
+    word: low / high 16 bits = the 4 tokens' magnitude ranks of e = 0 / e = 1, sign words of e = 0 and e = 1:
+    bit 7 of byte j set where the value is negative)."""
+    x4 = x >> 4
+    xa = (x & 0x0F0F0F0F) | (x4 & 0xF0F0F0F0)
+    xb = (x4 & 0x0F0F0F0F) | ((x >> 8) & 0xF0F0F0F0)
+    y = gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [xa, xb], dtype=gl.uint32, is_pure=True, pack=1)
+    nb = ~y & 0x88888888  # negative where bit 3 is clear (natural index < 8): magnitude rank 7 - i there
+    return (y ^ (nb - (nb >> 3))) & 0x77777777, (~x << 4) & 0x80808080, ~x & 0x80808080
+
+
+@gluon.jit
+def _lookup(sel4, tab0, tab1, L5: gl.constexpr, SHAPE: gl.constexpr):
+    """Selectors [.., 4 tid] (one 16-bit prmt selector per A-operand register) -> e4m3 values [.., 4 tid, 4 j] in the
+    A-operand layout: one prmt per register (the selector broadcast over j: pack 4 gives the asm one register)."""
+    sel5 = gl.expand_dims(gl.convert_layout(sel4, gl.SliceLayout(4, L5), assert_trivial=True), 4)
+    sel5 = sel5 + gl.zeros(SHAPE, gl.uint32, layout=L5)
+    return gl.inline_asm_elementwise(PRMT_LOOKUP_8, "=r,r,r,r,r,r,r,r,r,r,r,r,r", [sel5, tab0, tab1],
+                                     dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _lookup_sign(sel4, sgn4, tab0, tab1, L5: gl.constexpr, SHAPE: gl.constexpr):
+    """``_lookup`` of magnitudes, with the sign bits of ``sgn4`` xored into the e4m3 bytes."""
+    sel5 = gl.expand_dims(gl.convert_layout(sel4, gl.SliceLayout(4, L5), assert_trivial=True), 4)
+    sel5 = sel5 + gl.zeros(SHAPE, gl.uint32, layout=L5)
+    sgn5 = gl.expand_dims(gl.convert_layout(sgn4, gl.SliceLayout(4, L5), assert_trivial=True), 4)
+    sgn5 = sgn5 + gl.zeros(SHAPE, gl.uint32, layout=L5)
+    return gl.inline_asm_elementwise(PRMT_LOOKUP_8_SIGN, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [sel5, tab0, tab1, sgn5], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _halves(x):
+    """[64, 4] selector words -> [64, 2 h, 4]: low half, high half (prmt reads bits 0-15)."""
+    return gl.permute(gl.join(x, x >> 16), [0, 2, 1])
+
+
+@gluon.jit
+def tq_paged_decode_wgmma_kernel(
+    QROT, stride_qt, stride_qh,
+    CACHE, stride_cb, stride_ch,
+    BLOCK_TABLE, stride_bt, QUERY_START, SEQ_LENS,
+    kt0, kt1, vt0, vt1,
+    PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
+    num_splits,
+    GQ: gl.constexpr, PAGE: gl.constexpr,
+    K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
+    P_EXP: gl.constexpr,
+):
+    """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's
+    GQ <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the
+    log2 domain (``tq_rotate_queries_kernel``); each column is rounded to e4m3 at a power-of-two scale that puts its
+    largest value in [224, 448), divided out of its scores. CACHE: the uint8 pages (block stride ``stride_cb``, head
+    stride ``stride_ch``, bytes; page offsets ``K_IDX_OFF`` ... as ``PagedTQLayout``), head_dim 128, 3-bit keys,
+    4-bit values. P_EXP: P^T * v_scale is stored at 2^(P_EXP - e), e the running ceil(log2) of the largest value
+    scale. kt0 / kt1: the 8 key centroids as e4m3 bytes (entries 0-3, 4-7); vt0 / vt1: the value codebook's
+    8 magnitudes (entries 8-15) likewise. Writes the split's normalized output in ``WGMMA_VALUE_ORDER`` to
+    PART_O[split, token, head, :128] and its log2-sum-exp to PART_L (-inf for a head that sees no token)."""
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    gl.static_assert(GQ <= 8, "the GQA group fills at most the 8 MMA columns")
+    gl.static_assert(PAGE % 16 == 0, "a warp's 16 token rows lie in one page")
+    req = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    tok = gl.load(QUERY_START + req).to(gl.int64)  # the request's query token
+    kv_len = gl.load(SEQ_LENS + req)
+    per_split = (kv_len + num_splits - 1) // num_splits
+    chunk = (per_split + 63) // 64 * 64
+    lo = split * chunk
+    hi = gl.minimum(kv_len, lo + chunk)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    k5: gl.constexpr = _key5_layout()
+    kw_l: gl.constexpr = _keyword_layout()
+    v5: gl.constexpr = _val5_layout()
+    vh_l: gl.constexpr = _valhalf_layout()
+    sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    ps_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+
+    # Q'^T in shared memory, K-major (e4m3 B operands must be): stored [8 q, 128 d], read as [128, 8]. Column c is
+    # head kvh * GQ + c (zero past the group), scaled by a power of two into e4m3's range.
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+    qc = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qr)[:, None] * stride_qh + qc[None, :],
+                mask=(qr < GQ)[:, None] & (qc < 128)[None, :], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), axis=1)
+    q_exp = gl.where(amax > 0, gl.floor(gl.log2(448.0 / gl.where(amax > 0, amax, 1.0))), 0.0)
+    q_exp = gl.where(amax * gl.exp2(q_exp) >= 448.0, q_exp - 1.0, q_exp)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 128], sm_l, (q * gl.exp2(q_exp)[:, None]).to(gl.float8e4nv))
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 64], ps_l)
+    cols = gl.arange(0, 8, layout=col_l)
+    q_unscale = gl.exp2(-gl.convert_layout(q_exp, col_l))
+
+    head = CACHE + kvh.to(gl.int64) * stride_ch
+    bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
+    last_blk = gl.maximum(kv_len - 1, 0) // PAGE
+    # Key words: token row r of the tile, thread tid (plane words tid, 4 + tid, 8 + tid of the token's 12).
+    krow = gl.arange(0, 64, layout=gl.SliceLayout(1, kw_l))
+    ktid = gl.arange(0, 4, layout=gl.SliceLayout(0, kw_l))
+    # Value halfwords: halfword G of token row kb * 8 + h * 4 (+ j) of the thread's 16 tokens (rows tid * 16 ...).
+    hg = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, vh_l))))
+    hkb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, vh_l))))
+    hh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, vh_l))))
+    htid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, vh_l))))
+    hrow = gl.expand_dims((hkb[None, :, None] * 8 + hh[None, None, :] * 4) * 64 + hg[:, None, None] * 2, 3)
+    ts = gl.arange(0, 64, layout=tok_l)
+
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=col_l)
+    e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
+    l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
+    acc = gl.zeros([128, 8], gl.float32, layout=mma)
+    for start in range(lo, hi, 64):
+        # keys: a warp's 16 rows lie in one page; rows past the sequence read its last page (their scores masked)
+        kpos = start + krow
+        kpage = gl.load(bt_row + gl.minimum(kpos // PAGE, last_blk)).to(gl.int64)
+        kbase = (head + kpage * stride_cb + K_IDX_OFF + (kpos % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
+        kbase = kbase[:, None] + ktid[None, :]
+        w0 = gl.load(kbase).to(gl.uint32, bitcast=True)
+        w1 = gl.load(kbase + 4).to(gl.uint32, bitcast=True)
+        w2 = gl.load(kbase + 8).to(gl.uint32, bitcast=True)
+        # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
+        # P0 | P1 << 8 | P2 << 16
+        s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
+        s1 = ((w0 >> 3) & 0x07070707) | ((w2 >> 1) & 0x70707070)
+        s2 = ((w1 >> 1) & 0x07070707) | ((w2 << 2) & 0x70707070)
+        s3 = (((w0 >> 6) & 0x03030303) | ((w1 << 2) & 0x04040404) | ((w1 >> 3) & 0x10101010)
+              | ((w2 << 5) & 0x60606060))
+        sel = gl.join(gl.join(_halves(s0), _halves(s1)), gl.join(_halves(s2), _halves(s3)))  # [64, 2h, 4tid, 2, 2]
+        sel = gl.reshape(gl.permute(sel, [0, 4, 3, 1, 2]), [64, 4, 2, 4])
+        kt = gl.reshape(_lookup(sel, kt0, kt1, k5, [64, 4, 2, 4, 4]), [64, 128])
+        kt = gl.convert_layout(kt, a_op, assert_trivial=True)
+        s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
+
+        tpos = start + ts
+        tvalid = tpos < hi
+        tpage = gl.load(bt_row + gl.minimum(tpos // PAGE, last_blk)).to(gl.int64)
+        tsc = (head + tpage * stride_cb + (tpos % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
+        ksc = gl.load(tsc + K_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
+        vsc = gl.load(tsc + V_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
+        s = gl.where(tvalid[:, None], s * ksc[:, None] * q_unscale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_acc = l_acc * alpha[None, :] + p
+        # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at most
+        # 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator follows e_v
+        # as it follows the softmax maximum.
+        vmax = gl.max(vsc, axis=0)
+        e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
+        raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
+        if raised:
+            acc = acc * (alpha * gl.exp2(e_v - e_new))[None, :]
+        m_i = m_new
+        e_v = e_new
+        # P^T [64 k, 8] in V's token order: k = kb*32 + h*16 + tid*4 + j <- token tid*16 + kb*8 + h*4 + j.
+        pv = (p * (vsc * gl.exp2(P_EXP - e_v))[:, None]).to(gl.float8e4nv)
+        pv = gl.reshape(gl.permute(gl.reshape(pv, [4, 2, 2, 4, 8]), [1, 2, 0, 3, 4]), [64, 8])
+        p_smem.store(gl.permute(pv, [1, 0]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ... (one page)
+        vpos = start + htid * 16
+        vpage = gl.load(bt_row + gl.minimum(vpos // PAGE, last_blk)).to(gl.int64)
+        vbase = head + vpage * stride_cb + V_IDX_OFF + (vpos % PAGE) * 64
+        hb = (vbase[None, None, None, :] + hrow).to(gl.pointer_type(gl.int16), bitcast=True)
+        u0 = gl.load(hb).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u1 = gl.load(hb + 32).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u2 = gl.load(hb + 64).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u3 = gl.load(hb + 96).to(gl.uint16, bitcast=True).to(gl.uint32)
+        ua = u0 | (u1 << 16)
+        ub = u2 | (u3 << 16)
+        y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                  is_pure=True, pack=1))
+        y1, sa1, sb1 = _value_selectors(gl.inline_asm_elementwise(PRMT_7531, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                  is_pure=True, pack=1))
+        ysel = gl.join(y0, y1)  # [32 G, 2 kb, 2 h, 4 tid, 2 s]
+        ysel = gl.join(ysel, ysel >> 16)  # [.., 2 s, 2 e]
+        vsel = gl.reshape(gl.permute(gl.reshape(ysel, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
+        vsgn = gl.join(gl.join(sa0, sa1), gl.join(sb0, sb1))  # [.., 2 s, 2 e]
+        vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
+        vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
+        vt = gl.convert_layout(vt, a_op, assert_trivial=True)
+        acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
+        gl.thread_barrier()  # P^T is rewritten by the next tile
+
+    l_i = gl.sum(l_acc, axis=0)
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    o = acc * (gl.exp2(e_v - P_EXP) / l_safe)[None, :]
+    lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
+    od = gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    sp = split.to(gl.int64)
+    hq = kvh * GQ + cols
+    col_ok = cols < GQ
+    gl.store(PART_O + sp * stride_pos + tok * stride_pot + hq[None, :] * stride_poh + od[:, None], o,
+             mask=col_ok[None, :] & (od < 128)[:, None])
+    gl.store(PART_L + sp * stride_pls + tok * stride_plt + hq, lse2, mask=col_ok)
