@@ -142,9 +142,9 @@ def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_en
     got = _tq_config(parser, arg_utils, ["--kv-cache-dtype", "turboquant_k3v4_nc", "--no-tq-key-centering",
                                          "--tq-key-smoothing", "all", "--tq-boundary-layers", "2",
                                          "--tq-attention-workspace-mb", "64", "--tq-prefill-from-cache",
-                                         "--tq-compile-workers", "1"])
+                                         "--tq-compile-workers", "1", "--tq-decode-kernel", "wgmma"])
     assert got == TQConfig(key_centering=False, key_smoothing="all", boundary_layers=2, attention_workspace_mb=64,
-                           prefill_from_cache=True, compile_workers=1)
+                           prefill_from_cache=True, compile_workers=1, decode_kernel="wgmma")
     with pytest.raises(ValueError, match="boundary_layers must be an integer >= 0"):
         _tq_config(parser, arg_utils, ["--tq-boundary-layers", "-1"])
     with pytest.raises(ValueError, match="compile_workers must be an integer >= 0"):
@@ -157,14 +157,19 @@ def test_turboquant_options_in_help_with_their_choices(parser, capsys):
     out = capsys.readouterr().out
     for option in ("--tq-key-centering", "--no-tq-key-centering", "--tq-key-smoothing", "--tq-boundary-layers",
                    "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache",
-                   "--tq-compile-workers"):
+                   "--tq-compile-workers", "--tq-decode-kernel"):
         assert option in out
-    assert "{auto,all,off}" in out
+    assert "{auto,all,off}" in out and "{auto,wgmma}" in out
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--tq-key-smoothing", "1"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice" in err and "auto" in err and "all" in err and "off" in err
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--tq-decode-kernel", "mma"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "auto" in err and "wgmma" in err
 
 
 def test_deprecated_environment_is_read_once_with_a_warning(parser, vllm_modules, no_tq_env):

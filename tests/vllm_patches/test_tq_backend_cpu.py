@@ -153,6 +153,16 @@ def test_warmup_keeps_sums_for_the_centred_layers_of_every_builder(cpu_backend):
     assert nbytes == 2 * a.nbytes() + NUM_BLOCKS * 4
 
 
+def test_decode_kernel_option_reaches_the_attention_plans(cpu_backend):
+    """--tq-decode-kernel (TQConfig.decode_kernel) is the configuration of the builder's attention plans."""
+    from turboquant_core.config import TQConfig
+
+    _, builder, _ = _group(cpu_backend)
+    assert builder._new_plan(HQ).config.decode_kernel == "auto"
+    builder.tq_config = TQConfig(decode_kernel="wgmma")
+    assert builder._new_plan(HQ).config.decode_kernel == "wgmma"
+
+
 def test_prefill_from_cache_gives_each_token_the_same_attention_however_the_prompt_is_chunked(cpu_backend,
                                                                                                monkeypatch):
     """TQConfig.prefill_from_cache: prefill chunks attend to their own tokens as stored (no FlashAttention pass, so

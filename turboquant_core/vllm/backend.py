@@ -70,7 +70,12 @@ from ..ops.page_layout import (
     kv_cache_shape,
     paged_layout,
 )
-from ..ops.paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionPlan, tq_gather_dequant
+from ..ops.paged_attention import (
+    PREFILL_MIN_QUERY_LEN,
+    TQAttentionConfig,
+    TQAttentionPlan,
+    tq_gather_dequant,
+)
 
 if is_flash_attn_varlen_func_available():
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -406,6 +411,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
             self.kv_cache_spec.num_kv_heads,
             self.device,
             workspace=self.workspace,
+            config=TQAttentionConfig(decode_kernel=self.tq_config.decode_kernel),
         )
 
     def warmup_kernels(
@@ -439,6 +445,7 @@ class TQAttentionMetadataBuilder(AttentionMetadataBuilder[TQAttentionMetadata]):
                     centering=centering,
                     decode_query_lens=decode_query_lens,
                     paths=paths + gather,
+                    config=TQAttentionConfig(decode_kernel=self.tq_config.decode_kernel),
                 )
             )
         return launches
