@@ -11,9 +11,10 @@ PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
     python scripts/bench_throughput.py --model benchmarks/configs/qwen3-8b --scenarios sweep --max-num-seqs 512 ...
     python scripts/bench_throughput.py --model benchmarks/configs/llama-3.1-8b --scenarios S3 ...
 
-Configs are NAME=stock|patched:KV_CACHE_DTYPE or a name (bf16, fp8, ours-<preset>, stock-<preset>); scenarios
-INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of several batch sizes at one shape also draws
-``<out>-sweep.png``: output tok/s against requests, one line per config.
+Configs are NAME=stock|patched:KV_CACHE_DTYPE[+option=value...] (options: the fork's vllm.LLM arguments, e.g.
++tq_decode_kernel=wgmma) or a name (bf16, fp8, ours-<preset>, stock-<preset>, ours-k3v4-wgmma: k3v4 on the e4m3
+warpgroup-MMA decode kernel, keys not centred); scenarios INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of
+several batch sizes at one shape also draws ``<out>-sweep.png``: output tok/s against requests, one line per config.
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
 serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
@@ -64,6 +65,8 @@ NAMED_SCENARIOS = {
 }
 # Baselines by name; TurboQuant configs are named ours-<preset> / stock-<preset> (see config_names()).
 BASELINE_CONFIGS = {"bf16": ("patched", "auto"), "fp8": ("patched", "fp8")}
+# Configs that are a preset with engine options (KV_CACHE_DTYPE+option=value: vllm.LLM arguments of the fork).
+OPTION_CONFIGS = {"ours-k3v4-wgmma": ("patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false")}
 DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
 # The weights suite (--suite weights): NAME -> (install, KV-cache dtype, --quantization). awq-marlin is W4A16 with
 # group 128 from a dummy AWQ config (AWQ_DUMMY_CONFIG), served by vLLM's Marlin kernel.
@@ -105,7 +108,22 @@ def config_names() -> dict[str, tuple[str, str]]:
         names[f"ours-{_short(preset)}"] = ("patched", preset)
         if fmt.origin == "stock":
             names[f"stock-{_short(preset)}"] = ("stock", preset)
+    names.update(OPTION_CONFIGS)
     return names
+
+
+def split_engine_options(spec: str) -> tuple[str, dict]:
+    """KV_CACHE_DTYPE[+option=value...] -> (the dtype, vllm.LLM keyword arguments): values true / false become
+    booleans and whole numbers ints, e.g. ``turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false``."""
+    dtype, *items = spec.split("+")
+    options = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not (key and eq and value):
+            raise SystemExit(f"bad engine option {item!r} in {spec!r}; expected option=value")
+        low = value.lower()
+        options[key] = low == "true" if low in ("true", "false") else int(value) if value.isdigit() else value
+    return dtype, options
 
 
 def parse_configs(text: str) -> list[tuple[str, str, str]]:
@@ -122,7 +140,8 @@ def parse_configs(text: str) -> list[tuple[str, str, str]]:
             continue
         install, _, dtype = rest.partition(":")
         if not (name and install in ("stock", "patched") and dtype):
-            raise SystemExit(f"bad config {item!r}; expected NAME=stock|patched:KV_CACHE_DTYPE")
+            raise SystemExit(f"bad config {item!r}; expected NAME=stock|patched:KV_CACHE_DTYPE[+option=value...]")
+        split_engine_options(dtype)  # a bad option fails here, before any engine starts
         out.append((name, install, dtype))
     return out
 
@@ -163,13 +182,14 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
     these too). ``args`` needs model, kv_cache_dtype, max_num_seqs (0: the largest batch), gpu_memory_utilization,
     enforce_eager, max_num_batched_tokens and cudagraph_sizes (comma list, empty: vLLM's); tensor_parallel_size
     when it has one (else 1)."""
+    kv_cache_dtype, options = split_engine_options(args.kv_cache_dtype)
     kwargs = dict(
-        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype,
         max_model_len=max(i + o for i, o, _ in scenarios) + 16,
         max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
         enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **options,
     )
     quantization = getattr(args, "quantization", None)
     if quantization:
@@ -405,8 +425,9 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
     t = time.perf_counter()
     out, err, rc = run_engine_process(cmd, env, args.timeout)
     (log_dir / f"{name}.log").write_text(out + "\n--- stderr ---\n" + err)
+    dtype, options = split_engine_options(dtype)
     row = dict(name=name, install=install, kv_cache_dtype=dtype, tensor_parallel_size=args.tensor_parallel_size,
-               wall_s=time.perf_counter() - t, returncode=rc)
+               wall_s=time.perf_counter() - t, returncode=rc, **({"engine_options": options} if options else {}))
     if quantization:
         row["quantization"] = quantization
     # Logged once by the engine core for the whole engine (every rank holds that many tokens): not per rank summed.
@@ -569,8 +590,9 @@ def main(argv=None) -> int:
                     help="kv: configs are KV-cache dtypes (names below); weights: configs are weight quantizations "
                          f"({', '.join(WEIGHT_CONFIGS)}; default all; scenario W=256x256x1,8,64)")
     ap.add_argument("--configs", default=None,
-                    help="comma list of NAME=stock|patched:KV_CACHE_DTYPE or names: bf16, fp8, ours-<preset> "
-                         "(every preset, e.g. ours-k3v4, ours-4bit), stock-<preset> (stock's presets); with "
+                    help="comma list of NAME=stock|patched:KV_CACHE_DTYPE[+option=value...] or names: bf16, fp8, "
+                         "ours-<preset> (every preset, e.g. ours-k3v4, ours-4bit), stock-<preset> (stock's presets), "
+                         f"{', '.join(OPTION_CONFIGS)}; with "
                          "--suite weights NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION or the names of that suite "
                          "(default: every config of the suite)")
     ap.add_argument("--scenarios", default="1024x256x64,8192x256x32",

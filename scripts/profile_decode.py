@@ -840,7 +840,9 @@ def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[di
             p.wait()
             rc = "timeout"
         th.join(timeout=30)
-    cfg = dict(name=name, install=install, kv_cache_dtype=dtype, returncode=rc, wall_s=time.perf_counter() - t)
+    dtype, options = _bench().split_engine_options(dtype)  # the worker got them; the results keep them apart
+    cfg = dict(name=name, install=install, kv_cache_dtype=dtype, returncode=rc, wall_s=time.perf_counter() - t,
+               **({"engine_options": options} if options else {}))
     raw = json.loads(result_file.read_text()) if result_file.is_file() else None
     if raw is None:
         cfg["error"] = " | ".join(tail)[-1500:] or f"exit {rc}, no result"

@@ -36,7 +36,8 @@ def test_named_configs_come_from_the_format_table(bench):
     assert configs[2] == ("stock-k3v4", "stock", "turboquant_k3v4_nc")
     assert configs[5] == ("ours-4bit", "patched", "turboquant_4bit_nc")
     names = bench.config_names()
-    assert {v[1] for k, v in names.items() if k.startswith("ours-")} == set(KV_FORMATS)
+    presets = {v[1] for k, v in names.items() if k.startswith("ours-") and k not in bench.OPTION_CONFIGS}
+    assert presets == set(KV_FORMATS)
     assert {v[1] for k, v in names.items() if k.startswith("stock-")} == {
         n for n, f in KV_FORMATS.items() if f.origin == "stock"}
     assert bench.parse_configs("x=patched:fp8,bf16") == [("x", "patched", "fp8"), ("bf16", "patched", "auto")]
@@ -98,6 +99,35 @@ def test_report_only_redraws_table_and_sweep(bench, tmp_path):
     table = (tmp_path / "run.md").read_text()
     assert "| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x |" in table
     assert (tmp_path / "run-sweep.png").is_file()
+
+
+def test_configs_with_engine_options(bench, tmp_path, monkeypatch):
+    """KV_CACHE_DTYPE+option=value: the fork's vllm.LLM arguments, typed, in the engine's keywords; the results keep
+    the bare dtype (capacity against the format table) and the options apart."""
+    from argparse import Namespace
+
+    assert bench.config_names()["ours-k3v4-wgmma"] == (
+        "patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false")
+    assert bench.split_engine_options("fp8") == ("fp8", {})
+    assert bench.split_engine_options("turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false"
+                                      "+tq_compile_workers=4") == (
+        "turboquant_k3v4_nc", dict(tq_decode_kernel="wgmma", tq_key_centering=False, tq_compile_workers=4))
+    with pytest.raises(SystemExit, match="bad engine option 'tq_key_centering' .* expected option=value"):
+        bench.parse_configs("x=patched:turboquant_k3v4_nc+tq_key_centering")
+    args = Namespace(model="m", kv_cache_dtype="turboquant_k3v4_nc+tq_decode_kernel=wgmma", max_num_seqs=0,
+                     gpu_memory_utilization=0.9, enforce_eager=False, max_num_batched_tokens=8192, cudagraph_sizes="")
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("S1"))
+    assert kw["kv_cache_dtype"] == "turboquant_k3v4_nc" and kw["tq_decode_kernel"] == "wgmma"
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    _FakeWorker.commands.clear()
+    out = tmp_path / "w.json"
+    assert bench.main(["--model", "m", "--configs", "ours-k3v4-wgmma", "--scenarios", "100x10x2",
+                       "--out", str(out)]) == 0
+    cmd = _FakeWorker.commands[0]
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false"
+    row = json.loads(out.read_text())["results"][0]
+    assert row["kv_cache_dtype"] == "turboquant_k3v4_nc"
+    assert row["engine_options"] == dict(tq_decode_kernel="wgmma", tq_key_centering=False)
 
 
 def test_engine_kwargs_and_env(bench, monkeypatch):
@@ -220,7 +250,7 @@ class _FakeWorker:
     def __init__(self, cmd, **kwargs):
         self.commands.append(cmd)
         self.pid, self.returncode = 0, 0
-        self.dtype = cmd[cmd.index("--kv-cache-dtype") + 1]
+        self.dtype = (cmd[cmd.index("--kv-cache-dtype") + 1]).split("+")[0]  # the worker strips engine options
         self.tp = int(cmd[cmd.index("--tensor-parallel-size") + 1])
 
     def communicate(self, timeout=None):
