@@ -466,6 +466,8 @@ def main(argv=None) -> int:
                          "128), triton (the Triton kernel)")
     ap.add_argument("--decode-block-ns", default=str(paged_decode.DECODE_BLOCK_N),
                     help="comma-separated tokens per tile of the register-tile kernel (paged_decode.DECODE_BLOCK_N)")
+    ap.add_argument("--wgmma-maxnreg", type=int, default=None,
+                    help="register cap of the wgmma decode kernel (paged_decode_wgmma.WGMMA_MAXNREG; 0: none)")
     ap.add_argument("--inspect", default=None, help="directory to dump the attention kernel's TTGIR into")
     ap.add_argument("--sweep", default=None,
                     help='JSON list of TQAttentionConfig kwargs to compare, e.g. [{"block_n":64,"num_warps":4}]')
@@ -473,6 +475,10 @@ def main(argv=None) -> int:
     args.cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
     args.decode_kernels = [k.strip() for k in args.decode_kernels.split(",")]
     args.decode_block_ns = [int(v) for v in args.decode_block_ns.split(",")]
+    if args.wgmma_maxnreg is not None:
+        from turboquant_core.ops import paged_decode_wgmma
+
+        paged_decode_wgmma.WGMMA_MAXNREG = args.wgmma_maxnreg
     if bad := [k for k in args.decode_kernels if k not in ("auto", "wgmma", "triton")]:
         ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, wgmma, triton")
     if not torch.cuda.is_available():

@@ -256,7 +256,8 @@ print(json.dumps(found))
 @pytest.mark.slow
 def test_kernels_compile_for_sm90a_without_spills():
     """The path's three launches, bound by Triton's own binder for an sm_90 device and compiled with its bundled
-    ptxas (no GPU): no spills; the attention kernel targets sm_90a and its loop issues 8 QGMMA per 64-token tile."""
+    ptxas (no GPU): no spills; the attention kernel targets sm_90a, fits its register cap, and its loop issues 8
+    QGMMA per 64-token tile."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -264,7 +265,8 @@ def test_kernels_compile_for_sm90a_without_spills():
     assert set(res) == {"tq_rotate_queries_kernel", "tq_paged_decode_wgmma_kernel", "tq_merge_unrotate_kernel"}
     assert all(r["stack"] == 0 for r in res.values()), res
     k = res["tq_paged_decode_wgmma_kernel"]
-    assert k["target"] == "sm_90a" and k["qgmma"] == 8 and k["regs"] <= 128, k
+    # 64 registers let 8 programs reside per SM, as the split count assumes
+    assert k["target"] == "sm_90a" and k["qgmma"] == 8 and k["regs"] <= paged_decode_wgmma.WGMMA_MAXNREG == 64, k
 
 
 def _sm90_available() -> bool:

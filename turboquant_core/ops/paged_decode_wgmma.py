@@ -34,6 +34,9 @@ WGMMA_TILE = 64  # cached tokens per tile; a split's range is a whole number of 
 # Warpgroup programs per SM a wave of splits is sized for: about 64 registers x 128 threads let 8 reside, and the
 # study kernel needed them all to approach the copy bandwidth (benchmarks/results/2026-11-26-h100-e4m3-wgmma-decode/).
 WGMMA_PROGRAMS_PER_SM = 8
+# Registers per thread the kernel may use (0: no cap): 64 x 128 threads let WGMMA_PROGRAMS_PER_SM programs reside (the
+# uncapped build takes 66, rounded up to 72 by the allocator, so only 7 fit); ptxas keeps it without spills.
+WGMMA_MAXNREG = 64
 P_EXP = 8  # P^T * v_scale is stored in e4m3 at 2^(P_EXP - e): at most 2^8, below e4m3's 448
 
 
@@ -170,6 +173,7 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         s,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, num_warps=4,
+        **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
