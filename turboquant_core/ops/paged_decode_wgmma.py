@@ -24,7 +24,7 @@ import triton
 
 from ..kernels.paged_decode_wgmma_jit import WGMMA_KEY_ORDER, WGMMA_VALUE_ORDER
 from .page_layout import PagedTQLayout
-from .paged_decode import LN2, ROWS_PER_PROGRAM, decode_workspace_views
+from .paged_decode import LN2, ROWS_PER_PROGRAM, _gluon_runs, decode_workspace_views
 from .rotation_tables import codec_tables, rotation_rows_in_order
 
 WGMMA_HEAD_DIM = 128
@@ -45,26 +45,23 @@ def wgmma_decode_applies(layout: PagedTQLayout, group: int, device: torch.device
     """Whether the e4m3 warpgroup-MMA kernel serves this decode batch (key centering is checked at ``run``)."""
     fmt = layout.fmt
     return (fmt.key.has_codebook and fmt.key.bits == WGMMA_KEY_BITS and fmt.value.has_codebook
-            and fmt.value.bits == WGMMA_VALUE_BITS and len(_segments(layout, False)) == 1
-            and len(_segments(layout, True)) == 1 and layout.head_dim == WGMMA_HEAD_DIM
+            and fmt.value.bits == WGMMA_VALUE_BITS and len(_codec(layout, False).segments) == 1
+            and len(_codec(layout, True).segments) == 1 and layout.head_dim == WGMMA_HEAD_DIM
             and group <= WGMMA_MAX_GROUP and max_query_len == 1 and causal and sliding_window is None
             and layout.block_size % 16 == 0 and _sm90(str(device)))
 
 
-def _segments(layout: PagedTQLayout, value: bool):
+def _codec(layout: PagedTQLayout, value: bool):
+    """The host-side codec tables of the layout's key (or value) component."""
     comp = layout.fmt.value if value else layout.fmt.key
     seed = layout.fmt.value_seed if value else layout.fmt.key_seed
-    return codec_tables(layout.head_dim, comp.bits, seed, "cpu").segments
+    return codec_tables(layout.head_dim, comp.bits, seed, "cpu")
 
 
 @functools.lru_cache(maxsize=8)
 def _sm90(device: str) -> bool:
-    import os
-
-    dev = torch.device(device)
-    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(dev) == (9, 0)
+    """Where the Gluon decode kernels run (``paged_decode._gluon_runs``) on an sm_90 GPU: wgmma needs sm_90a."""
+    return _gluon_runs(device) and torch.cuda.get_device_capability(torch.device(device)) == (9, 0)
 
 
 @dataclass(frozen=True)
@@ -120,19 +117,13 @@ def e4m3_table_words(values: torch.Tensor) -> tuple[int, int]:
 @functools.lru_cache(maxsize=32)
 def layout_codebooks(layout: PagedTQLayout) -> E4m3Codebooks:
     """``e4m3_codebooks`` of a layout's key and value codecs."""
-    return e4m3_codebooks(_segment_centroids(layout, False), _segment_centroids(layout, True))
+    return e4m3_codebooks(_codec(layout, False).centroids[0], _codec(layout, True).centroids[0])
 
 
 def wgmma_table_words(layout: PagedTQLayout) -> tuple[int, int, int, int]:
     """(kt0, kt1, vt0, vt1): the kernel's e4m3 codebook registers for this layout (host ints)."""
     cb = layout_codebooks(layout)
     return (*e4m3_table_words(cb.key), *e4m3_table_words(cb.value))
-
-
-def _segment_centroids(layout: PagedTQLayout, value: bool) -> torch.Tensor:
-    comp = layout.fmt.value if value else layout.fmt.key
-    seed = layout.fmt.value_seed if value else layout.fmt.key_seed
-    return codec_tables(layout.head_dim, comp.bits, seed, "cpu").centroids[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -250,8 +241,7 @@ def tq_paged_decode_wgmma_ref(q: torch.Tensor, cache: torch.Tensor, layout: Page
     from .paged_reference import read_cached_tokens
 
     d, f = layout.head_dim, layout.fmt
-    kt = codec_tables(d, f.key.bits, f.key_seed, "cpu")
-    vt = codec_tables(d, f.value.bits, f.value_seed, "cpu")
+    kt, vt = _codec(layout, False), _codec(layout, True)
     if exact:
         key_table, value_table, fk, fv = kt.centroids[0], vt.centroids[0], 1.0, 1.0
     else:
