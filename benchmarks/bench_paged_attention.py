@@ -180,7 +180,7 @@ def bench_decode(args, out_rows, bw):
                            bf16_bytes=bf16_bytes, copy_bw_gbs=bw, **baseline_done)
                 try:
                     if kernel == "wgmma":
-                        cfg = dataclasses.replace(cfg, decode_kernel="wgmma")
+                        cfg = dataclasses.replace(cfg or TQAttentionConfig(), decode_kernel="wgmma")
                     plan = TQAttentionPlan(lay, 32, 8, dev, config=cfg)
                     plan.plan(b["block_table"], b["qsl"], b["seq_lens"], num_tokens=batch, max_query_len=1,
                               max_seq_len=context, num_splits=args.num_splits)

@@ -149,10 +149,10 @@ def test_e4m3_codebooks_and_their_words():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_reference_path_without_rounding_is_the_attention_reference(splits):
+def test_reference_path_without_rounding_is_the_attention_reference(splits, device):
     """Query rotation and pre-scale, the kernel's tiles, whole-number maxima and value-scale exponents, the split
     merge and the rotation back: without e4m3 rounding the path computes exactly the float64 reference."""
-    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [1, 37, 64, 213, 700], [1] * 5, "cpu",
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [1, 37, 64, 213, 700], [1] * 5, device,
                                               seed=3)
     ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     out, lse = tq_paged_decode_wgmma_ref(q, cache, lay, bt, qsl, sl, num_splits=splits, exact=True)
@@ -165,10 +165,10 @@ def _row_errors(out, ref_out):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_reference_path_with_e4m3_operands_stays_close_to_the_attention_reference(splits):
+def test_reference_path_with_e4m3_operands_stays_close_to_the_attention_reference(splits, device):
     """The e4m3 rounding of the query, the codebooks and the probabilities: a few percent per output row (the
     3-bit keys' own quantization error is larger), and the log-sum-exp within 0.15."""
-    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [1, 37, 64, 213, 700], [1] * 5, "cpu",
+    lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [1, 37, 64, 213, 700], [1] * 5, device,
                                               seed=3)
     ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     out, lse = tq_paged_decode_wgmma_ref(q, cache, lay, bt, qsl, sl, num_splits=splits)
@@ -286,9 +286,13 @@ def test_wgmma_decode_matches_its_reference_and_the_attention_reference(group, h
     assert plan.decode_kernel == "wgmma"
     out, lse = plan.run(q, cache, return_lse=True)
     mine_out, mine_lse = tq_paged_decode_wgmma_ref(q, cache, lay, bt, qsl, sl, num_splits=plan.decode_splits)
-    # the same e4m3 roundings: equal but for fp32 sums and the rare operand that rounds the other way
-    assert _row_errors(out, mine_out).max() < 0.03
+    # The same e4m3 roundings, so equal but for fp32 sums and the rare operand near a rounding tie that fp32 and
+    # float64 round apart: one such query element moves a short context's row by several percent, so most rows
+    # must agree closely and the kernel must be as far from the exact path as its reference is, no farther.
+    near = _row_errors(out, mine_out)
+    assert near.median() < 0.003 and (near > 0.02).float().mean() <= 0.1 and near.max() < 0.12, near
     assert (lse - mine_lse).abs().max() < 0.02
     ref_out, ref_lse = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
-    assert _row_errors(out, ref_out).max() < 0.12
+    err, mine_err = _row_errors(out, ref_out), _row_errors(mine_out, ref_out)
+    assert err.max() < 0.12 and err.mean() < mine_err.mean() * 1.05 + 1e-3, (err, mine_err)
     assert (lse - ref_lse).abs().max() < 0.15
