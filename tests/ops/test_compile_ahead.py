@@ -18,8 +18,10 @@ import pytest
 from turboquant_core.ops.compile_ahead import (
     MAX_DEFAULT_WORKERS,
     KernelVariant,
+    compile_ahead,
     compile_in_workers,
     default_workers,
+    kernel_cache_dir,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +187,23 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
                    f"ahead and is {res['dir_now']} now"), why
     # loading_from: the directory compiled into while open: a load, not a compile
     assert res["pinned"] == [res["dir_now"], [[], None]]
+
+
+def test_variants_compile_outside_the_directory_torch_inductor_points_triton_to(tmp_path, monkeypatch):
+    """Inductor points TRITON_CACHE_DIR into its own cache, which its saves replace: the variants go to Triton's
+    default directory then, and to TRITON_CACHE_DIR wherever else it points."""
+    from triton import knobs
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor_cache" / "triton" / "0"))
+    assert kernel_cache_dir() == knobs.cache.get_triton_dir("cache") != knobs.cache.dir
+    report = compile_ahead(lambda: None, workers=0)
+    assert report.cache_dir == knobs.cache.get_triton_dir("cache")
+    assert knobs.cache.dir == str(tmp_path / "inductor_cache" / "triton" / "0")  # left as it was
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor_cache_of_another_kind"))
+    assert kernel_cache_dir() == str(tmp_path / "inductor_cache_of_another_kind")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernel_cache_dir() == compile_ahead(lambda: None, workers=0).cache_dir == str(tmp_path / "mine")
 
 
 def test_a_variant_that_cannot_compile_is_reported_not_raised():

@@ -364,10 +364,38 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
                              [f"{variants[i].name}: {why}" for i, why in launchers.items() if why])
 
 
+def _inductor_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    return cache_dir()
+
+
+def kernel_cache_dir() -> str:
+    """Where ``compile_ahead`` compiles the variants, and the warm-up loads them from: Triton's cache directory
+    (TRITON_CACHE_DIR, else ~/.triton/cache), except where torch inductor has pointed TRITON_CACHE_DIR into its own
+    cache, as it does when it first loads a kernel of its own. Inductor's compile cache replaces that directory when
+    it saves the model's artifacts, and the variants compiled there were lost (the first engine on a machine
+    compiled them all again); in that case Triton's default directory."""
+    current = os.path.abspath(knobs.cache.dir)
+    inductor = _inductor_cache_dir()
+    if inductor and os.path.commonpath([current, os.path.abspath(inductor)]) == os.path.abspath(inductor):
+        return knobs.cache.get_triton_dir("cache")
+    return knobs.cache.dir
+
+
 def compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadReport:
     """Record the kernel variants ``launch()`` would compile (without compiling or running them) and compile those
-    not in Triton's on-disk cache in ``workers`` processes. Call ``launch()`` afterwards to run it for real. With
-    ``workers`` < 2 only the recording and the cache check happen (the launches then compile as before)."""
+    not in ``kernel_cache_dir()`` in ``workers`` processes. Call ``launch()`` afterwards, inside
+    ``loading_from(report)``, to run it for real. With ``workers`` < 2 only the recording and the cache check happen
+    (the launches then compile as before)."""
+    with knobs.cache.scope():
+        knobs.cache.dir = kernel_cache_dir()
+        return _compile_ahead(launch, workers)
+
+
+def _compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadReport:
     report = CompileAheadReport()
     t0 = time.perf_counter()
     with recording_variants() as found:
@@ -418,4 +446,5 @@ if __name__ == "__main__":
 
 __all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "CompileCount", "KernelVariant", "WorkerOutcome",
            "build_launcher", "compile_ahead", "compile_in_workers", "compile_variant", "counting_compiles",
-           "default_workers", "explain_recompile", "is_cached", "loading_from", "recording_variants"]
+           "default_workers", "explain_recompile", "is_cached", "kernel_cache_dir", "loading_from",
+           "recording_variants"]
