@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turboquant_core.ops import paged_decode  # noqa: E402
+from turboquant_core.ops.key_centering import key_centering_tables  # noqa: E402
+from turboquant_core.ops.kv_store import new_center_sums  # noqa: E402
 from turboquant_core.ops.paged import (  # noqa: E402
     TQAttentionConfig,
     TQAttentionPlan,
@@ -172,15 +174,15 @@ def bench_decode(args, out_rows, bw):
                 bench_baselines(b, batch, context, baseline_done)
                 log("  baselines:", {k: v for k, v in baseline_done.items()})
             runs = [(c, k, bn) for c in configs for k in args.decode_kernels
-                    for bn in (args.decode_block_ns if k == "auto" else [None])]
+                    for bn in (args.decode_block_ns if k in ("auto", "register-tile") else [None])]
             for cfg, kernel, bn in runs:
                 if bn:
                     paged_decode.DECODE_BLOCK_N = bn
                 row = dict(kind="decode", batch=batch, context=context, preset=fmt, kv_bytes=kv_bytes,
                            bf16_bytes=bf16_bytes, copy_bw_gbs=bw, **baseline_done)
                 try:
-                    if kernel == "wgmma":
-                        cfg = dataclasses.replace(cfg or TQAttentionConfig(), decode_kernel="wgmma")
+                    if kernel in ("wgmma", "register-tile"):
+                        cfg = dataclasses.replace(cfg or TQAttentionConfig(), decode_kernel=kernel)
                     plan = TQAttentionPlan(lay, 32, 8, dev, config=cfg)
                     plan.plan(b["block_table"], b["qsl"], b["seq_lens"], num_tokens=batch, max_query_len=1,
                               max_seq_len=context, num_splits=args.num_splits)
@@ -194,8 +196,17 @@ def bench_decode(args, out_rows, bw):
                                block_m=plan.block_m, block_n=plan.block_n, num_warps=plan.num_warps,
                                maxnreg=plan.maxnreg)
 
-                    def run(plan=plan, out=out, q=b["q"], cache=b["cache"]):
-                        plan.run(q, cache, out=out)
+                    cent = {}
+                    if args.centering:
+                        # Qwen3-8B's RoPE; the sums' values do not change the time (the keys were stored plain)
+                        c = key_centering_tables(1e6 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128), 128,
+                                                 lay.block_size, context, device=dev)
+                        sums = new_center_sums(batch, 8, c, dev).normal_()
+                        cent = dict(centering=c, center_sums=sums)
+                        row["key_centering"] = True
+
+                    def run(plan=plan, out=out, q=b["q"], cache=b["cache"], cent=cent):
+                        plan.run(q, cache, out=out, **cent)
 
                     t0 = time.time()
                     run()
@@ -461,13 +472,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefill", action="store_true", help="skip the context-prefill timing")
     ap.add_argument("--num-splits", type=int, default=None, help="force the split count (default: heuristic)")
     ap.add_argument("--decode-kernels", default="auto",
-                    help="comma-separated: auto (what TQAttentionPlan picks: the register-tile kernel where it "
-                         "applies), wgmma (the e4m3 warpgroup-MMA kernel where it applies: sm_90, k3v4, head_dim "
-                         "128), triton (the Triton kernel)")
+                    help="comma-separated: auto (what TQAttentionPlan picks by default), register-tile (that kernel "
+                         "where it applies), wgmma (the e4m3 warpgroup-MMA kernel where it applies: sm_90, k3v4, "
+                         "head_dim 128), triton (the Triton kernel)")
     ap.add_argument("--decode-block-ns", default=str(paged_decode.DECODE_BLOCK_N),
                     help="comma-separated tokens per tile of the register-tile kernel (paged_decode.DECODE_BLOCK_N)")
     ap.add_argument("--wgmma-maxnreg", type=int, default=None,
                     help="register cap of the wgmma decode kernel (paged_decode_wgmma.WGMMA_MAXNREG; 0: none)")
+    ap.add_argument("--centering", action="store_true",
+                    help="decode as from a cache stored with key centering (the page centres' score terms)")
     ap.add_argument("--inspect", default=None, help="directory to dump the attention kernel's TTGIR into")
     ap.add_argument("--sweep", default=None,
                     help='JSON list of TQAttentionConfig kwargs to compare, e.g. [{"block_n":64,"num_warps":4}]')
@@ -479,8 +492,8 @@ def main(argv=None) -> int:
         from turboquant_core.ops import paged_decode_wgmma
 
         paged_decode_wgmma.WGMMA_MAXNREG = args.wgmma_maxnreg
-    if bad := [k for k in args.decode_kernels if k not in ("auto", "wgmma", "triton")]:
-        ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, wgmma, triton")
+    if bad := [k for k in args.decode_kernels if k not in ("auto", "register-tile", "wgmma", "triton")]:
+        ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, register-tile, wgmma, triton")
     if not torch.cuda.is_available():
         log("needs a CUDA device")
         return 2

@@ -12,9 +12,10 @@ PYTHONPATH, so an unpatched ("stock") and a patched vLLM compare side by side:
     python scripts/bench_throughput.py --model benchmarks/configs/llama-3.1-8b --scenarios S3 ...
 
 Configs are NAME=stock|patched:KV_CACHE_DTYPE[+option=value...] (options: the fork's vllm.LLM arguments, e.g.
-+tq_decode_kernel=wgmma) or a name (bf16, fp8, ours-<preset>, stock-<preset>, ours-k3v4-wgmma: k3v4 on the e4m3
-warpgroup-MMA decode kernel, keys not centred); scenarios INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of
-several batch sizes at one shape also draws ``<out>-sweep.png``: output tok/s against requests, one line per config.
++tq_decode_kernel=wgmma) or a name (bf16, fp8, ours-<preset>, stock-<preset>; ours-k3v4-register-tile and
+ours-k3v4-wgmma: k3v4 on one decode kernel, ours-k3v4-wgmma-plain: the latter with keys not centred); scenarios
+INxOUTxBATCH or a name (S1, S2, S3, sweep). A run of several batch sizes at one shape also draws
+``<out>-sweep.png``: output tok/s against requests, one line per config.
 
 Dummy weights (load_format="dummy"), prompts as random token ids, greedy, ignore_eos: the numbers measure the
 serving engine, not the model's text. Capacity is what vLLM reports ("GPU KV cache size: N tokens").
@@ -66,7 +67,10 @@ NAMED_SCENARIOS = {
 # Baselines by name; TurboQuant configs are named ours-<preset> / stock-<preset> (see config_names()).
 BASELINE_CONFIGS = {"bf16": ("patched", "auto"), "fp8": ("patched", "fp8")}
 # Configs that are a preset with engine options (KV_CACHE_DTYPE+option=value: vllm.LLM arguments of the fork).
-OPTION_CONFIGS = {"ours-k3v4-wgmma": ("patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false")}
+OPTION_CONFIGS = {"ours-k3v4-register-tile": ("patched", "turboquant_k3v4_nc+tq_decode_kernel=register-tile"),
+                  "ours-k3v4-wgmma": ("patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma"),
+                  "ours-k3v4-wgmma-plain": ("patched",
+                                            "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false")}
 DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
 # The weights suite (--suite weights): NAME -> (install, KV-cache dtype, --quantization). awq-marlin is W4A16 with
 # group 128 from a dummy AWQ config (AWQ_DUMMY_CONFIG), served by vLLM's Marlin kernel.

@@ -27,7 +27,7 @@ def test_defaults_and_frozen():
     (dict(prefill_from_cache=1), "prefill_from_cache must be true or false, got 1"),
     (dict(compile_workers=-1), r"compile_workers must be an integer >= 0 \(0: automatic\), got -1"),
     (dict(compile_workers=2.0), "compile_workers must be an integer >= 0"),
-    (dict(decode_kernel="mma"), "decode_kernel must be one of auto, wgmma, got 'mma'"),
+    (dict(decode_kernel="mma"), "decode_kernel must be one of auto, register-tile, wgmma, got 'mma'"),
 ])
 def test_bad_values_name_the_valid_ones(kwargs, message):
     with pytest.raises(ValueError, match=message):

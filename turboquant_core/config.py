@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 KEY_SMOOTHING_MODES = ("auto", "all", "off")
-DECODE_KERNELS = ("auto", "wgmma")  # ops.paged_attention.TQAttentionConfig.decode_kernel
+DECODE_KERNELS = ("auto", "register-tile", "wgmma")  # ops.paged_attention.TQAttentionConfig.decode_kernel
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class TQConfig:
     compile_workers: processes that compile the kernel variants at start-up, in parallel, before the warm-up runs
         them (``ops.compile_ahead``): 0 picks the CPUs this engine process may use, shared among the node's ranks
         (at most 16); 1 compiles them one after another in the engine process.
-    decode_kernel: the decode attention kernel: ``auto`` the register-tile kernel (``ops.paged_decode``); ``wgmma``
-        e4m3 operands through Hopper warpgroup MMA (``ops.paged_decode_wgmma``) where it applies (sm_90,
-        turboquant_k3v4_nc, head size 128, GQA group <= 8, one query per request, keys not centred), elsewhere as
-        ``auto``.
+    decode_kernel: the decode attention kernel: ``wgmma`` e4m3 operands through Hopper warpgroup MMA
+        (``ops.paged_decode_wgmma``) where it applies (sm_90, turboquant_k3v4_nc, head size 128, GQA group <= 8,
+        one query per request), elsewhere the register-tile kernel (``ops.paged_decode``); ``register-tile`` that
+        kernel everywhere; ``auto`` (the default) as ``wgmma``.
     """
 
     key_centering: bool = True

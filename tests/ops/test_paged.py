@@ -481,11 +481,14 @@ def test_gather_dequant_bf16_matches_reference(name, d, device):
 
 
 @pytest.mark.gpu
-def test_decode_attention_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("decode_kernel", ["register-tile", "wgmma"])
+def test_decode_attention_replays_in_a_cuda_graph(decode_kernel):
     dev = "cuda"
     lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, [300, 17, 1000], [1, 1, 1], dev)
-    plan = TQAttentionPlan(lay, 8, 2, dev)
+    plan = TQAttentionPlan(lay, 8, 2, dev, config=TQAttentionConfig(decode_kernel=decode_kernel))
     plan.plan(bt, qsl, sl, num_tokens=3, max_query_len=1, max_seq_len=1024)
+    if plan.decode_kernel != decode_kernel:
+        pytest.skip(f"the {decode_kernel} decode kernel does not run on this GPU")
     out = torch.empty_like(q)
     plan.run(q, cache, out=out)  # compile outside the capture
     torch.cuda.synchronize()
@@ -494,6 +497,13 @@ def test_decode_attention_replays_in_a_cuda_graph():
         plan.run(q, cache, out=out)
     sl.copy_(torch.tensor([299, 17, 999], dtype=torch.int32, device=dev))  # metadata updated in place
     graph.replay()
+    if decode_kernel == "wgmma":  # e4m3 operands: against the reference of the same roundings
+        from turboquant_core.ops.paged_decode_wgmma import tq_paged_decode_wgmma_ref
+
+        ref_out, _ = tq_paged_decode_wgmma_ref(q, cache, lay, bt, qsl, sl, num_splits=plan.decode_splits)
+        err = (out.float() - ref_out.float()).norm(dim=-1) / ref_out.float().norm(dim=-1)
+        assert err.median() < 0.003 and err.max() < 0.12, err
+        return
     ref_out, _ = tq_paged_attention_ref(q, cache, lay, bt, qsl, sl)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
 

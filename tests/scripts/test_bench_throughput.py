@@ -106,7 +106,8 @@ def test_configs_with_engine_options(bench, tmp_path, monkeypatch):
     the bare dtype (capacity against the format table) and the options apart."""
     from argparse import Namespace
 
-    assert bench.config_names()["ours-k3v4-wgmma"] == (
+    assert bench.config_names()["ours-k3v4-wgmma"] == ("patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma")
+    assert bench.config_names()["ours-k3v4-wgmma-plain"] == (
         "patched", "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false")
     assert bench.split_engine_options("fp8") == ("fp8", {})
     assert bench.split_engine_options("turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false"
@@ -121,7 +122,7 @@ def test_configs_with_engine_options(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
     _FakeWorker.commands.clear()
     out = tmp_path / "w.json"
-    assert bench.main(["--model", "m", "--configs", "ours-k3v4-wgmma", "--scenarios", "100x10x2",
+    assert bench.main(["--model", "m", "--configs", "ours-k3v4-wgmma-plain", "--scenarios", "100x10x2",
                        "--out", str(out)]) == 0
     cmd = _FakeWorker.commands[0]
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "turboquant_k3v4_nc+tq_decode_kernel=wgmma+tq_key_centering=false"

@@ -159,7 +159,7 @@ def test_turboquant_options_in_help_with_their_choices(parser, capsys):
                    "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache",
                    "--tq-compile-workers", "--tq-decode-kernel"):
         assert option in out
-    assert "{auto,all,off}" in out and "{auto,wgmma}" in out
+    assert "{auto,all,off}" in out and "{auto,register-tile,wgmma}" in out
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--tq-key-smoothing", "1"])
     assert exc.value.code == 2

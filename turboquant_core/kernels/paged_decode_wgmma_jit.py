@@ -124,9 +124,10 @@ def tq_paged_decode_wgmma_kernel(
     kt0, kt1, vt0, vt1,
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_splits,
+    CWZ, stride_ct, stride_cwh, CSCALE, stride_st, PAGE_COS16, PAGE_SIN16, num_pages,
     GQ: gl.constexpr, PAGE: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    P_EXP: gl.constexpr,
+    P_EXP: gl.constexpr, CENTER: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's
     GQ <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the
@@ -136,7 +137,13 @@ def tq_paged_decode_wgmma_kernel(
     4-bit values. P_EXP: P^T * v_scale is stored at 2^(P_EXP - e), e the running ceil(log2) of the largest value
     scale. kt0 / kt1: the 8 key centroids as e4m3 bytes (entries 0-3, 4-7); vt0 / vt1: the value codebook's
     8 magnitudes (entries 8-15) likewise. Writes the split's normalized output in ``WGMMA_VALUE_ORDER`` to
-    PART_O[split, token, head, :128] and its log2-sum-exp to PART_L (-inf for a head that sees no token)."""
+    PART_O[split, token, head, :128] and its log2-sum-exp to PART_L (-inf for a head that sees no token).
+
+    ``CENTER`` (keys stored with key centering, ``ops.key_centering``): the scores of a token in page p get
+    q . c_p = row scale * (w . PC[p] + z . PS[p]) (w, z: CWZ [T, Hq, 2, 128] fp16 and the row scales CSCALE [T, Hq]
+    from ``tq_center_queries_kernel``; PC / PS the fp16 page tables, ``num_pages`` rows, the last reused past its
+    end). They are computed for 64 groups of 16 tokens (1024 tokens) at a time, as one fp16 warpgroup product
+    [64 groups, 256] . [256, 8] kept in shared memory, and each tile reads its 4 groups back."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(GQ <= 8, "the GQA group fills at most the 8 MMA columns")
     gl.static_assert(PAGE % 16 == 0, "a warp's 16 token rows lie in one page")
@@ -190,11 +197,57 @@ def tq_paged_decode_wgmma_kernel(
     hrow = gl.expand_dims((hkb[None, :, None] * 8 + hh[None, None, :] * 4) * 64 + hg[:, None, None] * 2, 3)
     ts = gl.arange(0, 64, layout=tok_l)
 
+    if CENTER:
+        # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
+        # each), read as [32, 8] per chunk; zero past the group.
+        mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        cw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        cwz_smem = gl.allocate_shared_memory(gl.float16, [8, 8, 32], cw_l)
+        cblk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        cr = gl.arange(0, 8, layout=gl.SliceLayout(1, cblk))
+        cc = gl.arange(0, 32, layout=gl.SliceLayout(0, cblk))
+        cbase = CWZ + tok * stride_ct + (kvh * GQ + cr)[:, None] * stride_cwh + cc[None, :]
+        for c in gl.static_range(8):
+            cwz_smem.index(c).store(gl.load(cbase + c * 32, mask=(cr < GQ)[:, None] & (cc < 32)[None, :], other=0.0))
+        cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cols, mask=cols < GQ, other=0.0)
+        # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group
+        # terms broadcast over their 16 rows without moving data.
+        g3: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
+        gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ga_smem = gl.allocate_shared_memory(gl.float16, [2, 64, 32], cw_l)
+        ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        grow = gl.arange(0, 64, layout=gl.SliceLayout(1, ga_l))
+        gk = gl.arange(0, 32, layout=gl.SliceLayout(0, ga_l))
+        fence_async_shared()
     m_i = gl.full([8], float("-inf"), gl.float32, layout=col_l)
     e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
     acc = gl.zeros([128, 8], gl.float32, layout=mma)
     for start in range(lo, hi, 64):
+        if CENTER:
+            if (start == lo) | (start % 1024 == 0):
+                # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
+                gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
+                gptr = gpage[:, None] * 128 + gk[None, :]
+                g = gl.zeros([64, 8], gl.float32, layout=mma16)
+                # Operand chunks go through shared memory in 16-byte loads, one loop step at a time (a loop, not
+                # unrolled): in registers as A operands they would need an address per 4 bytes, which the tile loop's
+                # 64 registers cannot hold.
+                for kc in range(4):
+                    gl.thread_barrier()  # the last chunk's products have read ga_smem
+                    ga_smem.index(0).store(gl.load(PAGE_COS16 + gptr + kc * 32))
+                    gl.thread_barrier()  # one table's chunk in registers at a time
+                    ga_smem.index(1).store(gl.load(PAGE_SIN16 + gptr + kc * 32))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    g = warpgroup_mma(ga_smem.index(0), cwz_smem.index(kc).permute((1, 0)), g)
+                    g = warpgroup_mma(ga_smem.index(1), cwz_smem.index(4 + kc).permute((1, 0)), g)
+                gl.thread_barrier()  # the previous block's terms are read
+                gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
+                gl.thread_barrier()
         # keys: a warp's 16 rows lie in one page; rows past the sequence read its last page (their scores masked)
         kpos = start + krow
         kpage = gl.load(bt_row + gl.minimum(kpos // PAGE, last_blk)).to(gl.int64)
@@ -222,7 +275,13 @@ def tq_paged_decode_wgmma_kernel(
         tsc = (head + tpage * stride_cb + (tpos % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
         ksc = gl.load(tsc + K_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
         vsc = gl.load(tsc + V_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
-        s = gl.where(tvalid[:, None], s * ksc[:, None] * q_unscale[None, :], float("-inf"))
+        if CENTER:
+            gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
+            gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
+            s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
+        else:
+            s = s * ksc[:, None] * q_unscale[None, :]
+        s = gl.where(tvalid[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[None, :])

@@ -84,9 +84,9 @@ class TQAttentionConfig:
     num_stages: int = 2
     block_m: int = 0  # 0: chosen from GQA group size x queries per request (16 for decode)
     maxnreg: int = 0  # register cap per thread, GPU only (0: 128 for decode-sized blocks, else none)
-    # Decode batches: "auto" runs the register-tile kernel where it serves them (``ops.paged_decode``); "wgmma" the
-    # e4m3 warpgroup-MMA kernel where it serves them (``ops.paged_decode_wgmma``: sm_90, k3v4, head_dim 128, plain
-    # keys), else as "auto".
+    # Decode batches: "wgmma" and "auto" run the e4m3 warpgroup-MMA kernel where it serves them
+    # (``ops.paged_decode_wgmma``: sm_90, k3v4, head_dim 128, one query per request), else the register-tile kernel
+    # where it serves them (``ops.paged_decode``); "register-tile" that kernel wherever it serves them.
     decode_kernel: str = "auto"
 
 
@@ -162,9 +162,9 @@ class TQAttentionPlan:
         if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
             self.decode_words = (codebook_permute_words(self.k_tables.cent_f16[0]),
                                  codebook_permute_words(self.v_tables.cent_f16[0]))
-        # The e4m3 warpgroup-MMA kernel's codebook registers, where the configuration asks for it and it applies.
+        # The e4m3 warpgroup-MMA kernel's codebook registers, where the configuration allows it and it applies.
         self.wgmma_words = None
-        if self.config.decode_kernel == "wgmma" and wgmma_decode_applies(
+        if self.config.decode_kernel != "register-tile" and wgmma_decode_applies(
                 layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
             self.wgmma_words = wgmma_table_words(layout)
         self._planned = False
@@ -219,8 +219,8 @@ class TQAttentionPlan:
         self.block_n = cfg.block_n or (128 if decode_sized else 64 if d <= 128 else 32)
         self.num_warps = cfg.num_warps or (4 if block_m <= 64 else 8)
         self.maxnreg = cfg.maxnreg or (128 if decode_sized else 0)
-        # Decode batches run on the register-tile kernel where it serves them (``ops.paged_decode``), or on the
-        # e4m3 warpgroup-MMA kernel where the configuration asks for it and it serves them.
+        # Decode batches run on the e4m3 warpgroup-MMA kernel where the configuration allows it and it serves them,
+        # else on the register-tile kernel where it serves them (``ops.paged_decode``).
         self.decode_splits, self.decode_kernel = 0, None
         wgmma = self.wgmma_words is not None and wgmma_decode_applies(
             self.layout, g, self.device, max_query_len=max_query_len, causal=causal, sliding_window=sliding_window)
@@ -276,9 +276,9 @@ class TQAttentionPlan:
         if tq == 0 or self.num_reqs == 0:
             return (out, lse) if return_lse else out
         if self.decode_splits:
-            if self.decode_kernel == "wgmma" and centering is None:
-                run_decode_wgmma(self, q, u8, out, lse if write_lse else None)
-            else:  # the register-tile kernel serves every batch the other does, key centering included
+            if self.decode_kernel == "wgmma":
+                run_decode_wgmma(self, q, u8, out, lse if write_lse else None, centering, center_sums)
+            else:
                 run_decode(self, q, u8, f16, out, lse if write_lse else None, centering, center_sums)
             return (out, lse) if return_lse else out
         s = self.num_splits

@@ -4,7 +4,8 @@ pages the store kernel writes.
 
 ``TQAttentionPlan`` takes this path where ``TQAttentionConfig.decode_kernel`` is ``"wgmma"`` and it serves the batch
 (``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of one segment each (k3v4), head_dim
-128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, no key centering, on an sm_90 GPU.
+128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on an sm_90 GPU; keys stored
+with key centering get their page centres' score terms from a small fp16 warpgroup product per 1024 tokens.
 Elsewhere the plan keeps its other kernels. Three launches: the queries rotated into the kernel's key order
 (``tq_rotate_queries_kernel``), the attention (one warpgroup per request, KV head and split), and the split merge
 with the rotation back from the value order (``tq_merge_unrotate_kernel``). The keys, the query and the probabilities
@@ -42,7 +43,7 @@ P_EXP = 8  # P^T * v_scale is stored in e4m3 at 2^(P_EXP - e): at most 2^8, belo
 
 def wgmma_decode_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
                          causal: bool, sliding_window: int | None) -> bool:
-    """Whether the e4m3 warpgroup-MMA kernel serves this decode batch (key centering is checked at ``run``)."""
+    """Whether the e4m3 warpgroup-MMA kernel serves this decode batch (with or without key centering)."""
     fmt = layout.fmt
     return (fmt.key.has_codebook and fmt.key.bits == WGMMA_KEY_BITS and fmt.value.has_codebook
             and fmt.value.bits == WGMMA_VALUE_BITS and len(_codec(layout, False).segments) == 1
@@ -134,9 +135,9 @@ def _ordered_rotation(bits: float, seed: int, device: str, value: bool) -> tuple
 
 
 def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor | None) -> None:
+                     lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
-    from ..kernels.paged_decode_jit import tq_merge_unrotate_kernel, tq_rotate_queries_kernel
+    from ..kernels.paged_decode_jit import tq_center_queries_kernel, tq_merge_unrotate_kernel, tq_rotate_queries_kernel
     from ..kernels.paged_decode_wgmma_jit import tq_paged_decode_wgmma_kernel
 
     lay: PagedTQLayout = plan.layout
@@ -144,7 +145,17 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     kt, vt = plan.k_tables, plan.v_tables
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
-    part_o, part_l, qrot, _, _ = decode_workspace_views(plan.workspace, tq, hq, d, s)
+    part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
+    if centering is not None:
+        tq_center_queries_kernel[(plan.num_reqs, hkv, 1)](
+            q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
+            center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
+            plan.softmax_scale / LN2, GQ=plan.group, GQP=triton.next_power_of_2(plan.group), D=d, D_PAD=d,
+            ROT_HALF=centering.rot_half, NEOX=centering.neox, QL=1, num_warps=4)
+        page_cos, page_sin, num_pages = centering.page_cos16, centering.page_sin16, centering.num_pages
+    else:
+        page_cos = page_sin = cscale
+        num_pages = 1
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
@@ -161,9 +172,10 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         plan.block_table, plan.block_table.stride(0), plan.query_start_loc, plan.seq_lens,
         *plan.wgmma_words,
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        s,
+        s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
-        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, num_warps=4,
+        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=centering is not None,
+        num_warps=4,
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
     write_lse = lse is not None
@@ -181,7 +193,8 @@ def _e4m3(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
 
 def wgmma_decode_reference(q_rot: torch.Tensor, k_idx: torch.Tensor, k_scale: torch.Tensor, v_idx: torch.Tensor,
                            v_scale: torch.Tensor, key_table: torch.Tensor, value_table: torch.Tensor,
-                           num_splits: int = 1, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           num_splits: int = 1, *, exact: bool = False,
+                           center_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes for one (request, KV head), in plain torch (float64 sums), split by split.
 
     q_rot [G, 128]: the rotated, pre-scaled queries of the group (log2 domain, natural coordinate order); k_idx /
@@ -189,8 +202,9 @@ def wgmma_decode_reference(q_rot: torch.Tensor, k_idx: torch.Tensor, k_scale: to
     [8] and value_table [16] (natural order) the codebooks the products use (``E4m3Codebooks``: the key and
     ``value_natural()``). Each query row is rounded to e4m3 at the kernel's power-of-two scale, and P^T * v_scale per
     64-token tile at the kernel's running power-of-two scale (the whole-number softmax maxima included); ``exact``
-    rounds neither. Returns (O [splits, G, 128] normalized within each split, natural coordinate order;
-    log2-sum-exp2 [splits, G], -inf where a split is empty)."""
+    rounds neither. ``center_logits`` [G, N] (log2 domain): the key-centering terms q . c_p added to the scores.
+    Returns (O [splits, G, 128] normalized within each split, natural coordinate order; log2-sum-exp2 [splits, G],
+    -inf where a split is empty)."""
     kc, vc = key_table.double().cpu(), value_table.double().cpu()
     q = q_rot.double().cpu()
     amax = q.abs().amax(-1)
@@ -213,6 +227,8 @@ def wgmma_decode_reference(q_rot: torch.Tensor, k_idx: torch.Tensor, k_scale: to
         for start in range(lo, hi, WGMMA_TILE):
             t = slice(start, min(hi, start + WGMMA_TILE))
             sc = (q8 @ kf[t].T) * k_scale[t][None, :] * torch.exp2(-q_exp)[:, None]
+            if center_logits is not None:
+                sc = sc + center_logits[:, t].double().cpu()
             m_new = torch.maximum(m, torch.ceil(sc.amax(-1)))
             p = torch.exp2(sc - m_new[:, None])
             alpha = torch.exp2(m - m_new)
@@ -230,14 +246,17 @@ def wgmma_decode_reference(q_rot: torch.Tensor, k_idx: torch.Tensor, k_scale: to
 
 def tq_paged_decode_wgmma_ref(q: torch.Tensor, cache: torch.Tensor, layout: PagedTQLayout, block_table: torch.Tensor,
                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *, num_splits: int = 1,
-                              softmax_scale: float | None = None, exact: bool = False):
+                              softmax_scale: float | None = None, exact: bool = False, centering=None,
+                              center_sums: torch.Tensor | None = None):
     """The whole decode path in plain torch: each request's last query rotated and pre-scaled as
     ``tq_rotate_queries_kernel`` does (stored in fp16), ``wgmma_decode_reference`` per request and KV head over the
     indices and scales read from the pages, the splits merged and the output rotated back as
     ``tq_merge_unrotate_kernel`` does. Returns out [Tq, Hq, d] (q.dtype; rows of other tokens zero) and lse [Hq, Tq]
     float32, natural log (-inf for rows that see no token). ``exact``: no e4m3 rounding anywhere (then it is the
-    attention ``ops.paged_reference.tq_paged_attention_ref`` computes, to float64 rounding)."""
+    attention ``ops.paged_reference.tq_paged_attention_ref`` computes, to float64 rounding). A cache stored with key
+    centering is read with the same ``centering`` and ``center_sums``: the scores get q . c_p exactly."""
     from ..packing import unpack_indices
+    from .key_centering import center_vectors_ref, token_centers_ref
     from .paged_reference import read_cached_tokens
 
     d, f = layout.head_dim, layout.fmt
@@ -265,13 +284,18 @@ def tq_paged_decode_wgmma_ref(q: torch.Tensor, cache: torch.Tensor, layout: Page
         t = qsl[r + 1] - 1
         k_idx, k_scale, v_idx, v_scale = read_cached_tokens(cache_cpu, layout, block_table[r].cpu(), n)
         ki, vi = unpack_indices(k_idx, f.key.bits, d), unpack_indices(v_idx, f.value.bits, d)
+        if centering is not None:
+            mu, mup = center_vectors_ref(center_sums[r].cpu(), centering)  # [Hkv, dim_pad]
+            centres = token_centers_ref(mu[None].expand(n, -1, -1), mup[None].expand(n, -1, -1), torch.arange(n),
+                                        centering)  # [n, Hkv, d]
         for h in range(hkv):
             heads = slice(h * g, (h + 1) * g)
             qr = (q[t, heads].double().cpu() @ krows.T) * (scale * kt.rot_scale / LN2 / fk)
             if not exact:
                 qr = qr.half().double()
+            cl = None if centering is None else (q[t, heads].double().cpu() @ centres[:, h].T) * (scale / LN2)
             o, l2 = wgmma_decode_reference(qr, ki[:, h], k_scale[:, h], vi[:, h], v_scale[:, h], key_table, value_table,
-                                           num_splits, exact=exact)
+                                           num_splits, exact=exact, center_logits=cl)
             mx = l2.amax(0)
             mx_safe = torch.where(torch.isfinite(mx), mx, 0.0)
             w = torch.where(torch.isfinite(l2), torch.exp2(l2 - mx_safe), 0.0)  # [splits, G]
