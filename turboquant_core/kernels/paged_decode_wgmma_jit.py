@@ -245,9 +245,9 @@ def tq_paged_decode_wgmma_kernel(
                 gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
                 gptr = gpage[:, None] * 128 + gk[None, :]
                 g = gl.zeros([64, 8], gl.float32, layout=mma16)
-                # Operand chunks go through shared memory in 16-byte loads, one loop step at a time (a loop, not
-                # unrolled): in registers as A operands they would need an address per 4 bytes, which the tile loop's
-                # 64 registers cannot hold.
+                # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
+                # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
+                # can hold.
                 for kc in range(4):
                     gl.thread_barrier()  # the last chunk's products have read ga_smem
                     ga_smem.index(0).store(gl.load(PAGE_COS16 + gptr + kc * 32))

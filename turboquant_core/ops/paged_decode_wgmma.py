@@ -2,10 +2,11 @@
 """Decode attention with e4m3 operands through Hopper warpgroup MMA (``kernels.paged_decode_wgmma_jit``), on the
 pages the store kernel writes.
 
-``TQAttentionPlan`` takes this path where ``TQAttentionConfig.decode_kernel`` is ``"wgmma"`` and it serves the batch
-(``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of one segment each (k3v4), head_dim
-128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on an sm_90 GPU; keys stored
-with key centering get their page centres' score terms from a small fp16 warpgroup product per 1024 tokens.
+``TQAttentionPlan`` takes this path where ``TQAttentionConfig.decode_kernel`` allows it (``"auto"``, the default, or
+``"wgmma"``) and it serves the batch (``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of
+one segment each (k3v4), head_dim 128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on
+an sm_90 GPU. Keys stored with key centering get their page centres' score terms from a small fp16 warpgroup product
+per 1024 tokens.
 Elsewhere the plan keeps its other kernels. Three launches: the queries rotated into the kernel's key order
 (``tq_rotate_queries_kernel``), the attention (one warpgroup per request, KV head and split), and the split merge
 with the rotation back from the value order (``tq_merge_unrotate_kernel``). The keys, the query and the probabilities
@@ -36,7 +37,8 @@ WGMMA_TILE = 64  # cached tokens per tile; a split's range is a whole number of 
 # study kernel needed them all to approach the copy bandwidth (benchmarks/results/2026-11-26-h100-e4m3-wgmma-decode/).
 WGMMA_PROGRAMS_PER_SM = 8
 # Registers per thread the kernel may use (0: no cap): 64 x 128 threads let WGMMA_PROGRAMS_PER_SM programs reside (the
-# uncapped build takes 66, rounded up to 72 by the allocator, so only 7 fit); ptxas keeps it without spills.
+# uncapped build takes 66, rounded up to 72 by the allocator, so only 7 fit); ptxas keeps it without spills, and the
+# centred variant with a few loop-invariant values on the stack.
 WGMMA_MAXNREG = 64
 P_EXP = 8  # P^T * v_scale is stored in e4m3 at 2^(P_EXP - e): at most 2^8, below e4m3's 448
 # Load each tile's page ids a tile ahead, so that its keys, scales and values wait for one memory round trip instead
