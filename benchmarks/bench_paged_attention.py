@@ -479,8 +479,6 @@ def main(argv=None) -> int:
                     help="comma-separated tokens per tile of the register-tile kernel (paged_decode.DECODE_BLOCK_N)")
     ap.add_argument("--wgmma-maxnreg", type=int, default=None,
                     help="register cap of the wgmma decode kernel (paged_decode_wgmma.WGMMA_MAXNREG; 0: none)")
-    ap.add_argument("--wgmma-prefetch", choices=("on", "off"), default=None,
-                    help="load the wgmma decode kernel's page ids a tile ahead (paged_decode_wgmma.WGMMA_PREFETCH)")
     ap.add_argument("--centering", action="store_true",
                     help="decode as from a cache stored with key centering (the page centres' score terms)")
     ap.add_argument("--inspect", default=None, help="directory to dump the attention kernel's TTGIR into")
@@ -490,12 +488,10 @@ def main(argv=None) -> int:
     args.cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
     args.decode_kernels = [k.strip() for k in args.decode_kernels.split(",")]
     args.decode_block_ns = [int(v) for v in args.decode_block_ns.split(",")]
-    from turboquant_core.ops import paged_decode_wgmma
-
     if args.wgmma_maxnreg is not None:
+        from turboquant_core.ops import paged_decode_wgmma
+
         paged_decode_wgmma.WGMMA_MAXNREG = args.wgmma_maxnreg
-    if args.wgmma_prefetch is not None:
-        paged_decode_wgmma.WGMMA_PREFETCH = args.wgmma_prefetch == "on"
     if bad := [k for k in args.decode_kernels if k not in ("auto", "register-tile", "wgmma", "triton")]:
         ap.error(f"unknown decode kernel {bad[0]!r}; choose from auto, register-tile, wgmma, triton")
     if not torch.cuda.is_available():

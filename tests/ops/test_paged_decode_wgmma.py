@@ -257,9 +257,6 @@ tag = "+centred"
 cent = key_centering_tables(10000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128), 128, 16, 4096)
 sums = torch.zeros(4, 8, 2, 128)
 paged_decode_wgmma.run_decode_wgmma(plan, q, u8, torch.empty_like(q), None, cent, sums)
-tag = "+prefetch"
-paged_decode_wgmma.WGMMA_PREFETCH = True
-paged_decode_wgmma.run_decode_wgmma(plan, q, u8, torch.empty_like(q), None)
 print(json.dumps(found))
 '''
 
@@ -274,12 +271,8 @@ def test_kernels_compile_for_sm90a_without_spills():
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     launches = {"tq_rotate_queries_kernel", "tq_paged_decode_wgmma_kernel", "tq_merge_unrotate_kernel"}
-    assert set(res) == (launches | {n + "+centred" for n in launches | {"tq_center_queries_kernel"}}
-                        | {n + "+prefetch" for n in launches})
+    assert set(res) == launches | {n + "+centred" for n in launches | {"tq_center_queries_kernel"}}
     assert all(r["stack"] == 0 for n, r in res.items() if n != "tq_paged_decode_wgmma_kernel+centred"), res
-    # page ids a tile ahead (WGMMA_PREFETCH): still within the cap, no spills, the same MMAs
-    pf = res["tq_paged_decode_wgmma_kernel+prefetch"]
-    assert pf["regs"] <= 64 and pf["ops"].get("QGMMA") == 8, pf
     k = res["tq_paged_decode_wgmma_kernel"]
     # 64 registers let 8 programs reside per SM, as the split count assumes
     assert k["target"] == "sm_90a" and k["ops"].get("QGMMA") == 8 and "HGMMA" not in k["ops"], k
@@ -300,9 +293,7 @@ def _sm90_available() -> bool:
 @pytest.mark.skipif(not _sm90_available(), reason="needs an sm_90 GPU (H100 / H200)")
 @pytest.mark.parametrize("group,hkv", [(4, 2), (8, 1), (1, 3)])
 @pytest.mark.parametrize("splits", [1, 3, None])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_wgmma_decode_matches_its_reference_and_the_attention_reference(group, hkv, splits, prefetch, monkeypatch):
-    monkeypatch.setattr(paged_decode_wgmma, "WGMMA_PREFETCH", prefetch)
+def test_wgmma_decode_matches_its_reference_and_the_attention_reference(group, hkv, splits):
     # Contexts of 1, a partial tile, one tile, a partial page past whole tiles, and many tiles.
     lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, hkv, group, [1, 37, 64, 213, 1500],
                                               [1] * 5, "cuda", seed=5)
@@ -356,9 +347,7 @@ def test_reference_path_with_centering_without_rounding_is_the_attention_referen
 @pytest.mark.skipif(not _sm90_available(), reason="needs an sm_90 GPU (H100 / H200)")
 @pytest.mark.parametrize("group,hkv", [(4, 2), (8, 1)])
 @pytest.mark.parametrize("splits", [1, 3, None])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_wgmma_decode_with_key_centering_matches_its_reference(group, hkv, splits, prefetch, monkeypatch):
-    monkeypatch.setattr(paged_decode_wgmma, "WGMMA_PREFETCH", prefetch)
+def test_wgmma_decode_with_key_centering_matches_its_reference(group, hkv, splits):
     # 2100 tokens: three 1024-token blocks of centre terms, the last partial
     b, q, qsl, sl = _centred_batch(hkv, group, [2, 37, 213, 1500, 2100], "cuda", seed=6)
     cent = dict(centering=b.cent, center_sums=b.sums)

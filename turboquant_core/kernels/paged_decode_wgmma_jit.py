@@ -127,7 +127,7 @@ def tq_paged_decode_wgmma_kernel(
     CWZ, stride_ct, stride_cwh, CSCALE, stride_st, PAGE_COS16, PAGE_SIN16, num_pages,
     GQ: gl.constexpr, PAGE: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    P_EXP: gl.constexpr, CENTER: gl.constexpr, PREFETCH: gl.constexpr,
+    P_EXP: gl.constexpr, CENTER: gl.constexpr,
 ):
     """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's
     GQ <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the
@@ -138,8 +138,6 @@ def tq_paged_decode_wgmma_kernel(
     scale. kt0 / kt1: the 8 key centroids as e4m3 bytes (entries 0-3, 4-7); vt0 / vt1: the value codebook's
     8 magnitudes (entries 8-15) likewise. Writes the split's normalized output in ``WGMMA_VALUE_ORDER`` to
     PART_O[split, token, head, :128] and its log2-sum-exp to PART_L (-inf for a head that sees no token).
-
-    ``PREFETCH``: each tile's page ids come from registers loaded one tile ahead, not from a load just before use.
 
     ``CENTER`` (keys stored with key centering, ``ops.key_centering``): the scores of a token in page p get
     q . c_p = row scale * (w . PC[p] + z . PS[p]) (w, z: CWZ [T, Hq, 2, 128] fp16 and the row scales CSCALE [T, Hq]
@@ -228,17 +226,7 @@ def tq_paged_decode_wgmma_kernel(
     e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
     acc = gl.zeros([128, 8], gl.float32, layout=mma)
-    if PREFETCH:
-        kpage_n = gl.load(bt_row + gl.minimum((lo + krow) // PAGE, last_blk))
-        tpage_n = gl.load(bt_row + gl.minimum((lo + ts) // PAGE, last_blk))
-        vpage_n = gl.load(bt_row + gl.minimum((lo + htid * 16) // PAGE, last_blk))
     for start in range(lo, hi, 64):
-        if PREFETCH:
-            # this tile's page ids were loaded a tile ahead; the next tile's are loaded now
-            kpage_c, tpage_c, vpage_c = kpage_n, tpage_n, vpage_n
-            kpage_n = gl.load(bt_row + gl.minimum((start + 64 + krow) // PAGE, last_blk))
-            tpage_n = gl.load(bt_row + gl.minimum((start + 64 + ts) // PAGE, last_blk))
-            vpage_n = gl.load(bt_row + gl.minimum((start + 64 + htid * 16) // PAGE, last_blk))
         if CENTER:
             if (start == lo) | (start % 1024 == 0):
                 # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
@@ -262,10 +250,7 @@ def tq_paged_decode_wgmma_kernel(
                 gl.thread_barrier()
         # keys: a warp's 16 rows lie in one page; rows past the sequence read its last page (their scores masked)
         kpos = start + krow
-        if PREFETCH:
-            kpage = kpage_c.to(gl.int64)
-        else:
-            kpage = gl.load(bt_row + gl.minimum(kpos // PAGE, last_blk)).to(gl.int64)
+        kpage = gl.load(bt_row + gl.minimum(kpos // PAGE, last_blk)).to(gl.int64)
         kbase = (head + kpage * stride_cb + K_IDX_OFF + (kpos % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
         kbase = kbase[:, None] + ktid[None, :]
         w0 = gl.load(kbase).to(gl.uint32, bitcast=True)
@@ -286,10 +271,7 @@ def tq_paged_decode_wgmma_kernel(
 
         tpos = start + ts
         tvalid = tpos < hi
-        if PREFETCH:
-            tpage = tpage_c.to(gl.int64)
-        else:
-            tpage = gl.load(bt_row + gl.minimum(tpos // PAGE, last_blk)).to(gl.int64)
+        tpage = gl.load(bt_row + gl.minimum(tpos // PAGE, last_blk)).to(gl.int64)
         tsc = (head + tpage * stride_cb + (tpos % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
         ksc = gl.load(tsc + K_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
         vsc = gl.load(tsc + V_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
@@ -324,10 +306,7 @@ def tq_paged_decode_wgmma_kernel(
 
         # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ... (one page)
         vpos = start + htid * 16
-        if PREFETCH:
-            vpage = vpage_c.to(gl.int64)
-        else:
-            vpage = gl.load(bt_row + gl.minimum(vpos // PAGE, last_blk)).to(gl.int64)
+        vpage = gl.load(bt_row + gl.minimum(vpos // PAGE, last_blk)).to(gl.int64)
         vbase = head + vpage * stride_cb + V_IDX_OFF + (vpos % PAGE) * 64
         hb = (vbase[None, None, None, :] + hrow).to(gl.pointer_type(gl.int16), bitcast=True)
         u0 = gl.load(hb).to(gl.uint16, bitcast=True).to(gl.uint32)

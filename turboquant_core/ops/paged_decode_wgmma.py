@@ -41,9 +41,6 @@ WGMMA_PROGRAMS_PER_SM = 8
 # centred variant with a few loop-invariant values on the stack.
 WGMMA_MAXNREG = 64
 P_EXP = 8  # P^T * v_scale is stored in e4m3 at 2^(P_EXP - e): at most 2^8, below e4m3's 448
-# Load each tile's page ids a tile ahead, so that its keys, scales and values wait for one memory round trip instead
-# of two (the loop is latency-bound: benchmarks/results/2026-11-26-h100-qwen3-8b-wgmma-decode/). Off until measured.
-WGMMA_PREFETCH = False
 
 
 def wgmma_decode_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
@@ -180,7 +177,6 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=centering is not None,
-        PREFETCH=WGMMA_PREFETCH,
         num_warps=4,
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
