@@ -174,11 +174,27 @@ def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, 
             ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d), ws[s_off:end].view(tq, hq))
 
 
+def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torch.Tensor, centering,
+                          center_sums: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """With key centering: the queries' centering operands into ``cwz`` / ``cscale`` (``tq_center_queries_kernel``),
+    and the decode kernels' page tables (fp16 cos, sin, page count); without: placeholders."""
+    from ..kernels.paged_decode_jit import tq_center_queries_kernel
+
+    if centering is None:
+        return cscale, cscale, 1
+    d, ql = plan.layout.head_dim, plan.max_query_len
+    tq_center_queries_kernel[(plan.num_reqs, plan.num_kv_heads, ql)](
+        q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
+        center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
+        plan.softmax_scale / LN2, GQ=plan.group, GQP=triton.next_power_of_2(plan.group), D=d, D_PAD=d,
+        ROT_HALF=centering.rot_half, NEOX=centering.neox, QL=ql, num_warps=4)
+    return centering.page_cos16, centering.page_sin16, centering.num_pages
+
+
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
     from ..kernels.paged_decode_jit import (
-        tq_center_queries_kernel,
         tq_merge_unrotate_kernel,
         tq_paged_decode_kernel,
         tq_rotate_queries_kernel,
@@ -191,18 +207,8 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
-    gqp = triton.next_power_of_2(plan.group)
     ql = plan.max_query_len
-    if centering is not None:
-        tq_center_queries_kernel[(plan.num_reqs, hkv, ql)](
-            q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
-            center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
-            plan.softmax_scale / LN2, GQ=plan.group, GQP=gqp, D=d, D_PAD=d, ROT_HALF=centering.rot_half,
-            NEOX=centering.neox, QL=ql, num_warps=4)
-        page_cos, page_sin, num_pages = centering.page_cos16, centering.page_sin16, centering.num_pages
-    else:
-        page_cos = page_sin = cscale
-        num_pages = 1
+    page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
     f = lay.fmt
     krot = _ordered_rotation(d, f.key.bits, f.key_seed, str(q.device), False)
     vrot = _ordered_rotation(d, f.value.bits, f.value_seed, str(q.device), True)

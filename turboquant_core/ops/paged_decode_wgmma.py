@@ -26,7 +26,7 @@ import triton
 
 from ..kernels.paged_decode_wgmma_jit import WGMMA_KEY_ORDER, WGMMA_VALUE_ORDER
 from .page_layout import PagedTQLayout
-from .paged_decode import LN2, ROWS_PER_PROGRAM, _gluon_runs, decode_workspace_views
+from .paged_decode import LN2, ROWS_PER_PROGRAM, _gluon_runs, center_query_operands, decode_workspace_views
 from .rotation_tables import codec_tables, rotation_rows_in_order
 
 WGMMA_HEAD_DIM = 128
@@ -139,7 +139,7 @@ def _ordered_rotation(bits: float, seed: int, device: str, value: bool) -> tuple
 def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
-    from ..kernels.paged_decode_jit import tq_center_queries_kernel, tq_merge_unrotate_kernel, tq_rotate_queries_kernel
+    from ..kernels.paged_decode_jit import tq_merge_unrotate_kernel, tq_rotate_queries_kernel
     from ..kernels.paged_decode_wgmma_jit import tq_paged_decode_wgmma_kernel
 
     lay: PagedTQLayout = plan.layout
@@ -148,16 +148,7 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
-    if centering is not None:
-        tq_center_queries_kernel[(plan.num_reqs, hkv, 1)](
-            q, q.stride(0), q.stride(1), plan.query_start_loc, center_sums, center_sums.stride(0),
-            center_sums.stride(1), cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0),
-            plan.softmax_scale / LN2, GQ=plan.group, GQP=triton.next_power_of_2(plan.group), D=d, D_PAD=d,
-            ROT_HALF=centering.rot_half, NEOX=centering.neox, QL=1, num_warps=4)
-        page_cos, page_sin, num_pages = centering.page_cos16, centering.page_sin16, centering.num_pages
-    else:
-        page_cos = page_sin = cscale
-        num_pages = 1
+    page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
