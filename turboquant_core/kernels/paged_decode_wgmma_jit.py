@@ -12,17 +12,22 @@ request, the group padded to N = 8 MMA columns). Per tile of 64 cached tokens:
 3. O^T [128, 8] += V^T [128, 64] . P^T [64, 8]: V^T looked up from the 4-bit indices (natural indices turned into
    sign and magnitude in registers; the value codebook is symmetric) from its 8 magnitudes: 4 x QGMMA.64x8x32.
 
-The pages are the store kernel's (``ops.page_layout``, planar8), read in place:
-- keys: each of the 4 threads holding a token's A row loads the word of its 4 groups from planes 0, 1 and 2 and
+The pages are the store kernel's (``ops.page_layout``, planar8). Each tile's key words, value bytes and scales are
+copied into shared memory a tile ahead (``cp.async``, two stages; warp w copies the tile's tokens 16w .. 16w + 15,
+one page), so the loop waits on no global load of the tile it computes. From shared memory:
+- keys: each of the 4 threads holding a token's A row reads the word of its 4 groups from planes 0, 1 and 2 and
   builds 4 selector words pairing fields (0, 4), (1, 7), (3, 6), (2, 5) per byte lane; A column
   k = sw * 32 + h * 16 + tid * 4 + j holds rotated coordinate ``WGMMA_KEY_ORDER[k]``;
-- values: a thread loads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
+- values: a thread reads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
   coordinate pair; V^T row R = q + 8e + 16w + 64s holds coordinate ``WGMMA_VALUE_ORDER[R]`` = 2q + s + 32w + 16e.
+The softmax maximum of a tile is exchanged between the 4 warps through shared memory once (by tile parity), and
+every warp reduces the tile's value scales itself, so a tile has 4 barriers.
 The query rotation writes Q' in the key order and the split merge rotates the outputs back from the value order.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 PRMT_LOOKUP_8 = gl.constexpr("prmt.b32 $0, $5, $9, $1;")  # pack 4: $1-$4 selector, $5-$8 / $9-$12 table regs
@@ -74,6 +79,125 @@ def _valhalf_layout():
         reg_bases=[[0, 0, 1, 0], [0, 1, 0, 0]],
         lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[8, 0, 0, 0], [16, 0, 0, 0]], block_bases=[], shape=[32, 2, 2, 4])
+
+
+@gluon.constexpr_function
+def _copy_layout(words: int):
+    """[4 pages, 16 token rows, ``words`` elements of 4 bytes or 2]: warp w copies the tile's tokens 16w .. 16w + 15
+    (one page, so one page id per thread) in 16-byte pieces; ``words`` = 16 int32 (keys) or 32 int16 (values)."""
+    vec = [[0, 0, 1], [0, 0, 2]] + ([[0, 0, 4]] if words == 32 else [])
+    pieces = [[0, 0, words // 4], [0, 0, words // 2]]
+    return gl.DistributedLinearLayout(
+        reg_bases=vec + [[0, 8, 0]], lane_bases=pieces + [[0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, words])
+
+
+@gluon.constexpr_function
+def _scale_copy_layout():
+    """[2 (key, value), 4 pages, 16 token rows] fp16 scales: 16-byte pieces, warp w copies page w's (lanes 0-3)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4]], lane_bases=[[0, 0, 8], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        warp_bases=[[0, 1, 0], [0, 2, 0]], block_bases=[], shape=[2, 4, 16])
+
+
+@gluon.constexpr_function
+def _staged_key_layout():
+    """[64 tok, 16 words] staged key words -> registers: word w = 4 * plane + tid at lane tid, planes in registers
+    (``_keyword_layout`` per plane)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+
+
+@gluon.constexpr_function
+def _staged_value_layout():
+    """[64 tok, 32 halfwords] staged value halfwords -> registers: token tid*16 + kb*8 + h*4 + u, halfword
+    G = w*8 + q at warp w, lane (q, tid), registers (u, h, kb) (``_valhalf_layout`` per u)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]], lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[64, 32])
+
+
+@gluon.constexpr_function
+def _staged_scale_layout():
+    """[2 (key, value), 64 tok] staged scales -> registers, each half the score tile's row layout."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[2, 64])
+
+
+@gluon.constexpr_function
+def _all_scales_layout():
+    """[2 (key, value), 64 tok] staged scales -> every warp holds all 64 (2 per lane): reductions stay in the warp."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [0, 1]], lane_bases=[[0, 2], [0, 4], [0, 8], [0, 16], [0, 32]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[2, 64])
+
+
+@gluon.constexpr_function
+def _warp_max_layout():
+    """[4 warps, 8 columns] per-warp score maxima -> every thread holds the 4 of its columns (``col_l`` after the
+    reduction over warps)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [0, 1]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 8])
+
+
+@gluon.jit
+def _split4(x):
+    """[..., 2, 2] (both in registers) -> the 4 slices of the dim they split, in order."""
+    a, b = gl.split(x)
+    x0, x2 = gl.split(a)
+    x1, x3 = gl.split(b)
+    return x0, x1, x2, x3
+
+
+# The staged pieces in shared memory, as the copies write them ([4 pages, 16 rows, ...]) and as the loop reads them
+# ([64 tok, ...]); offset bit -> index. Key rows 2t, 2t + 1 rotate their 4 planes, value rows of each 16 tokens their 4
+# pieces, so that a warp's reads hit 32 banks.
+KEY_COPY_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 4], [0, 4, 8], [0, 8, 0], [1, 0, 0],
+                  [2, 0, 0]]))
+KEY_READ_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 4], [4, 8], [8, 0], [16, 0], [32, 0]]))
+VALUE_COPY_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0],
+                  [1, 0, 8], [2, 0, 16]]))
+VALUE_READ_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [1, 0], [2, 0], [4, 0], [8, 0], [16, 8], [32, 16]]))
+SCALE_COPY_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [1, 0, 0]]))
+SCALE_READ_SMEM = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [1, 0]]))
+
+
+@gluon.jit
+def _stage_tile(head, bt_row, last_blk, start, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, s, stride_cb,
+                PAGE: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, kc_l: gl.constexpr,
+                vc_l: gl.constexpr, sc_l: gl.constexpr):
+    """Asynchronous copies of the 64-token tile from ``start`` into stage ``s`` (none where start >= hi), one commit
+    group. Rows past the sequence read its last page, as the scores mask them."""
+    live = start < hi
+    first = start + c_pg * 16  # each warp's 16 tokens lie in one page
+    pid = gl.load(bt_row + gl.minimum(first // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    page = head + pid * stride_cb
+    kp = (page + K_IDX_OFF + (first % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
+    async_copy.async_copy_global_to_shared(
+        stage_buf.index(2 * s)._reinterpret(gl.int32, [4, 16, 16], KEY_COPY_SMEM), kp[:, None, None] + k_off,
+        mask=k_ok & live)
+    vpage = gl.convert_layout(page, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
+    vfirst = gl.convert_layout(first, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
+    vp = (vpage + V_IDX_OFF + (vfirst % PAGE) * 64).to(gl.pointer_type(gl.int16), bitcast=True)
+    async_copy.async_copy_global_to_shared(
+        stage_buf.index(2 * s + 1)._reinterpret(gl.int16, [4, 16, 32], VALUE_COPY_SMEM), vp[:, None, None] + v_off,
+        mask=((vfirst >= 0)[:, None, None] & (v_off >= 0)) & live)
+    spage = gl.convert_layout(page, gl.SliceLayout(0, gl.SliceLayout(2, sc_l)), assert_trivial=True)
+    sfirst = gl.convert_layout(first, gl.SliceLayout(0, gl.SliceLayout(2, sc_l)), assert_trivial=True)
+    sp = (spage + (sfirst % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
+    async_copy.async_copy_global_to_shared(
+        s_st.index(s)._reinterpret(gl.float16, [2, 4, 16], SCALE_COPY_SMEM), sp[None, :, None] + s_off,
+        mask=((sfirst >= 0)[None, :, None] & (s_off >= 0)) & live)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -180,22 +304,42 @@ def tq_paged_decode_wgmma_kernel(
     q_exp = gl.where(amax * gl.exp2(q_exp) >= 448.0, q_exp - 1.0, q_exp)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 128], sm_l, (q * gl.exp2(q_exp)[:, None]).to(gl.float8e4nv))
     p_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 64], ps_l)
+    # the 4 warps' score maxima of a tile, by tile parity: one barrier exchanges them, and a warp a tile ahead writes
+    # the other half
+    mx_smem = gl.allocate_shared_memory(gl.float32, [2, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    all_tok = gl.arange(0, 64, layout=gl.SliceLayout(0, _all_scales_layout()))
     cols = gl.arange(0, 8, layout=col_l)
     q_unscale = gl.exp2(-gl.convert_layout(q_exp, col_l))
 
     head = CACHE + kvh.to(gl.int64) * stride_ch
     bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
     last_blk = gl.maximum(kv_len - 1, 0) // PAGE
-    # Key words: token row r of the tile, thread tid (plane words tid, 4 + tid, 8 + tid of the token's 12).
-    krow = gl.arange(0, 64, layout=gl.SliceLayout(1, kw_l))
-    ktid = gl.arange(0, 4, layout=gl.SliceLayout(0, kw_l))
-    # Value halfwords: halfword G of token row kb * 8 + h * 4 (+ j) of the thread's 16 tokens (rows tid * 16 ...).
-    hg = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, vh_l))))
-    hkb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, vh_l))))
-    hh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, vh_l))))
-    htid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, vh_l))))
-    hrow = gl.expand_dims((hkb[None, :, None] * 8 + hh[None, None, :] * 4) * 64 + hg[:, None, None] * 2, 3)
     ts = gl.arange(0, 64, layout=tok_l)
+
+    # The tiles' key words, value halfwords and scales reach shared memory by asynchronous copies one tile ahead.
+    kc_l: gl.constexpr = _copy_layout(16)
+    vc_l: gl.constexpr = _copy_layout(32)
+    sc_l: gl.constexpr = _scale_copy_layout()
+    # one buffer of 4 KB pieces: stage s's keys at 2s, values at 2s + 1 (allocated with the centre product's layout,
+    # whose alignment the centred variant needs: it computes in the free stage's pieces)
+    stage_buf = gl.allocate_shared_memory(gl.float16, [4, 64, 32],
+                                          gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+    s_st = gl.allocate_shared_memory(gl.float16, [2, 2, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    c_pg = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, kc_l)))  # the page (16 tokens) each warp copies
+    c_row = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, kc_l)))
+    c_kw = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, kc_l)))
+    c_vrow = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, vc_l)))
+    c_vh = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, vc_l)))
+    c_kind = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, sc_l)))
+    c_srow = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, sc_l)))
+    # element offsets within a warp's 16 tokens: key words (12 of 16 per token: the last piece is not copied), value
+    # halfwords, the key and value scales
+    k_off = (c_row * 12)[None, :, None] + c_kw[None, None, :]
+    k_ok = (c_kw < 12)[None, None, :] & (c_row < 16)[None, :, None] & (c_pg < 4)[:, None, None]
+    v_off = (c_vrow * 32)[None, :, None] + c_vh[None, None, :]
+    s_off = gl.where(c_kind == 0, K_SC_OFF // 2, V_SC_OFF // 2)[:, None, None] + c_srow[None, None, :]
+    _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
+                PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
 
     if CENTER:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
@@ -217,7 +361,6 @@ def tq_paged_decode_wgmma_kernel(
             warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
         gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        ga_smem = gl.allocate_shared_memory(gl.float16, [2, 64, 32], cw_l)
         ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         grow = gl.arange(0, 64, layout=gl.SliceLayout(1, ga_l))
         gk = gl.arange(0, 32, layout=gl.SliceLayout(0, ga_l))
@@ -227,6 +370,7 @@ def tq_paged_decode_wgmma_kernel(
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
     acc = gl.zeros([128, 8], gl.float32, layout=mma)
     for start in range(lo, hi, 64):
+        stage = ((start - lo) // 64) % 2
         if CENTER:
             if (start == lo) | (start % 1024 == 0):
                 # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
@@ -236,26 +380,30 @@ def tq_paged_decode_wgmma_kernel(
                 # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
                 # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
                 # can hold.
+                # the table chunks go through the free stage's two pieces (its copies are issued after this block)
+                ga_cos = stage_buf.index(2 - 2 * stage)
+                ga_sin = stage_buf.index(3 - 2 * stage)
                 for kc in range(4):
-                    gl.thread_barrier()  # the last chunk's products have read ga_smem
-                    ga_smem.index(0).store(gl.load(PAGE_COS16 + gptr + kc * 32))
+                    gl.thread_barrier()  # the last chunk's products have read the pieces
+                    ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
                     gl.thread_barrier()  # one table's chunk in registers at a time
-                    ga_smem.index(1).store(gl.load(PAGE_SIN16 + gptr + kc * 32))
+                    ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
                     fence_async_shared()
                     gl.thread_barrier()
-                    g = warpgroup_mma(ga_smem.index(0), cwz_smem.index(kc).permute((1, 0)), g)
-                    g = warpgroup_mma(ga_smem.index(1), cwz_smem.index(4 + kc).permute((1, 0)), g)
+                    g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
+                    g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
                 gl.thread_barrier()  # the previous block's terms are read
                 gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
                 gl.thread_barrier()
-        # keys: a warp's 16 rows lie in one page; rows past the sequence read its last page (their scores masked)
-        kpos = start + krow
-        kpage = gl.load(bt_row + gl.minimum(kpos // PAGE, last_blk)).to(gl.int64)
-        kbase = (head + kpage * stride_cb + K_IDX_OFF + (kpos % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
-        kbase = kbase[:, None] + ktid[None, :]
-        w0 = gl.load(kbase).to(gl.uint32, bitcast=True)
-        w1 = gl.load(kbase + 4).to(gl.uint32, bitcast=True)
-        w2 = gl.load(kbase + 8).to(gl.uint32, bitcast=True)
+        _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
+                    stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+        async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
+        gl.thread_barrier()
+        kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
+        w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
+        w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+        w1 = gl.convert_layout(w1, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+        w2 = gl.convert_layout(w2, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
         # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
         # P0 | P1 << 8 | P2 << 16
         s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
@@ -269,12 +417,11 @@ def tq_paged_decode_wgmma_kernel(
         kt = gl.convert_layout(kt, a_op, assert_trivial=True)
         s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
 
-        tpos = start + ts
-        tvalid = tpos < hi
-        tpage = gl.load(bt_row + gl.minimum(tpos // PAGE, last_blk)).to(gl.int64)
-        tsc = (head + tpage * stride_cb + (tpos % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
-        ksc = gl.load(tsc + K_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
-        vsc = gl.load(tsc + V_SC_OFF // 2, mask=tvalid, other=0.0).to(gl.float32)
+        tvalid = start + ts < hi
+        sx = s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_staged_scale_layout())
+        ksc, vsc = gl.split(gl.permute(sx, [1, 0]))
+        ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
+        vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
         if CENTER:
             gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
             gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
@@ -282,7 +429,11 @@ def tq_paged_decode_wgmma_kernel(
         else:
             s = s * ksc[:, None] * q_unscale[None, :]
         s = gl.where(tvalid[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=0)))
+        mx_smem.index(stage).store(gl.max(gl.reshape(s, [4, 16, 8]), axis=1))
+        gl.thread_barrier()
+        m_tile = gl.convert_layout(gl.max(mx_smem.index(stage).load(_warp_max_layout()), axis=0), col_l,
+                                   assert_trivial=True)
+        m_new = gl.maximum(m_i, gl.ceil(m_tile))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[None, :])
         alpha = gl.exp2(m_i - m_safe)
@@ -290,7 +441,10 @@ def tq_paged_decode_wgmma_kernel(
         # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at most
         # 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator follows e_v
         # as it follows the softmax maximum.
-        vmax = gl.max(vsc, axis=0)
+        _ks, vs_all = gl.split(gl.permute(
+            s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_all_scales_layout()), [1, 0]))
+        vs_all = gl.convert_layout(vs_all, all_tok.type.layout, assert_trivial=True).to(gl.float32)
+        vmax = gl.max(gl.where(start + all_tok < hi, vs_all, 0.0), axis=0)
         e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
         raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
         if raised:
@@ -304,15 +458,14 @@ def tq_paged_decode_wgmma_kernel(
         fence_async_shared()
         gl.thread_barrier()
 
-        # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ... (one page)
-        vpos = start + htid * 16
-        vpage = gl.load(bt_row + gl.minimum(vpos // PAGE, last_blk)).to(gl.int64)
-        vbase = head + vpage * stride_cb + V_IDX_OFF + (vpos % PAGE) * 64
-        hb = (vbase[None, None, None, :] + hrow).to(gl.pointer_type(gl.int16), bitcast=True)
-        u0 = gl.load(hb).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u1 = gl.load(hb + 32).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u2 = gl.load(hb + 64).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u3 = gl.load(hb + 96).to(gl.uint16, bitcast=True).to(gl.uint32)
+        # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ...: token tid*16 + kb*8 + h*4 + u
+        vx = stage_buf.index(2 * stage + 1)._reinterpret(gl.int16, [64, 32], VALUE_READ_SMEM)
+        vx = gl.reshape(vx.load(_staged_value_layout()), [4, 2, 2, 4, 32])
+        u0, u1, u2, u3 = _split4(gl.reshape(gl.permute(vx, [4, 1, 2, 0, 3]), [32, 2, 2, 4, 2, 2]))
+        u0 = gl.convert_layout(u0, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u1 = gl.convert_layout(u1, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u2 = gl.convert_layout(u2, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u3 = gl.convert_layout(u3, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
         ua = u0 | (u1 << 16)
         ub = u2 | (u3 << 16)
         y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
