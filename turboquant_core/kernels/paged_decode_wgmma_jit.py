@@ -342,17 +342,17 @@ def tq_paged_decode_wgmma_kernel(
                 PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
 
     if CENTER:
-        # B operand of the centre product: [w | z] of the group's heads in 16 chunks of 16 (one 32-byte swizzle row
-        # each), read as [16, 8] per chunk; zero past the group.
+        # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
+        # each), read as [32, 8] per chunk; zero past the group.
         mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-        cw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-        cwz_smem = gl.allocate_shared_memory(gl.float16, [16, 8, 16], cw_l)
-        cblk: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+        cw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        cwz_smem = gl.allocate_shared_memory(gl.float16, [8, 8, 32], cw_l)
+        cblk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         cr = gl.arange(0, 8, layout=gl.SliceLayout(1, cblk))
-        cc = gl.arange(0, 16, layout=gl.SliceLayout(0, cblk))
+        cc = gl.arange(0, 32, layout=gl.SliceLayout(0, cblk))
         cbase = CWZ + tok * stride_ct + (kvh * GQ + cr)[:, None] * stride_cwh + cc[None, :]
-        for c in gl.static_range(16):
-            cwz_smem.index(c).store(gl.load(cbase + c * 16, mask=(cr < GQ)[:, None] & (cc < 16)[None, :], other=0.0))
+        for c in gl.static_range(8):
+            cwz_smem.index(c).store(gl.load(cbase + c * 32, mask=(cr < GQ)[:, None] & (cc < 32)[None, :], other=0.0))
         cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cols, mask=cols < GQ, other=0.0)
         # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group
         # terms broadcast over their 16 rows without moving data.
@@ -361,10 +361,9 @@ def tq_paged_decode_wgmma_kernel(
             warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
         gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        # the table chunks [64 groups, 16] are copied one 16-byte piece per thread
-        ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+        ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         grow = gl.arange(0, 64, layout=gl.SliceLayout(1, ga_l))
-        gk = gl.arange(0, 16, layout=gl.SliceLayout(0, ga_l))
+        gk = gl.arange(0, 32, layout=gl.SliceLayout(0, ga_l))
         fence_async_shared()
     m_i = gl.full([8], float("-inf"), gl.float32, layout=col_l)
     e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
@@ -378,28 +377,21 @@ def tq_paged_decode_wgmma_kernel(
                 gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
                 gptr = gpage[:, None] * 128 + gk[None, :]
                 g = gl.zeros([64, 8], gl.float32, layout=mma16)
-                # The 8 chunks of 16 columns of each table are copied into the free stage (its tile copies are issued
-                # after this block), double-buffered: chunk kc + 1 is in flight while chunk kc's products run.
-                ga0 = stage_buf.index(2 - 2 * stage)._reinterpret(gl.float16, [2, 64, 16], cw_l)
-                ga1 = stage_buf.index(3 - 2 * stage)._reinterpret(gl.float16, [2, 64, 16], cw_l)
-                async_copy.async_copy_global_to_shared(ga0.index(0), PAGE_COS16 + gptr)
-                async_copy.async_copy_global_to_shared(ga0.index(1), PAGE_SIN16 + gptr)
-                async_copy.commit_group()
-                for kc in gl.static_range(8):
-                    if kc + 1 < 8:
-                        nxt = ga1 if kc % 2 == 0 else ga0
-                        async_copy.async_copy_global_to_shared(nxt.index(0), PAGE_COS16 + gptr + (kc + 1) * 16)
-                        async_copy.async_copy_global_to_shared(nxt.index(1), PAGE_SIN16 + gptr + (kc + 1) * 16)
-                        async_copy.commit_group()
-                        async_copy.wait_group(1)
-                    else:
-                        async_copy.wait_group(0)
+                # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
+                # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
+                # can hold.
+                # the table chunks go through the free stage's two pieces (its copies are issued after this block)
+                ga_cos = stage_buf.index(2 - 2 * stage)
+                ga_sin = stage_buf.index(3 - 2 * stage)
+                for kc in range(4):
+                    gl.thread_barrier()  # the last chunk's products have read the pieces
+                    ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
+                    gl.thread_barrier()  # one table's chunk in registers at a time
+                    ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
                     fence_async_shared()
                     gl.thread_barrier()
-                    cur = ga0 if kc % 2 == 0 else ga1
-                    g = warpgroup_mma(cur.index(0), cwz_smem.index(kc).permute((1, 0)), g)
-                    g = warpgroup_mma(cur.index(1), cwz_smem.index(8 + kc).permute((1, 0)), g)
-                    gl.thread_barrier()  # chunk kc + 2 is copied over these pieces
+                    g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
+                    g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
                 gl.thread_barrier()  # the previous block's terms are read
                 gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
                 gl.thread_barrier()
