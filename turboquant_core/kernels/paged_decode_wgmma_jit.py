@@ -20,8 +20,8 @@ one page), so the loop waits on no global load of the tile it computes. From sha
   k = sw * 32 + h * 16 + tid * 4 + j holds rotated coordinate ``WGMMA_KEY_ORDER[k]``;
 - values: a thread reads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
   coordinate pair; V^T row R = q + 8e + 16w + 64s holds coordinate ``WGMMA_VALUE_ORDER[R]`` = 2q + s + 32w + 16e.
-The softmax maximum of a tile is exchanged between the 4 warps through shared memory once (by tile parity), and
-every warp reduces the tile's value scales itself, so a tile has 4 barriers.
+The softmax maximum of a tile is exchanged between the 4 warps through shared memory once, and every warp reduces
+the tile's value scales itself, so a tile has 3 barriers: the staged tile, the maxima, P^T.
 The query rotation writes Q' in the key order and the split merge rotates the outputs back from the value order.
 """
 
@@ -395,10 +395,12 @@ def tq_paged_decode_wgmma_kernel(
                 gl.thread_barrier()  # the previous block's terms are read
                 gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
                 gl.thread_barrier()
+        async_copy.wait_group(0)  # this tile's copies
+        # Past this barrier every warp has finished the last tile (its reads of the other stage included), so the
+        # next tile's copies may go there; it is the tile's first of 3 barriers (the softmax maximum, P^T).
+        gl.thread_barrier()
         _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
                     stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-        async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
-        gl.thread_barrier()
         kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
         w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
         w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
@@ -480,7 +482,6 @@ def tq_paged_decode_wgmma_kernel(
         vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
         vt = gl.convert_layout(vt, a_op, assert_trivial=True)
         acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
-        gl.thread_barrier()  # P^T is rewritten by the next tile
 
     l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0, l_i, 1.0)
