@@ -20,8 +20,8 @@ one page), so the loop waits on no global load of the tile it computes. From sha
   k = sw * 32 + h * 16 + tid * 4 + j holds rotated coordinate ``WGMMA_KEY_ORDER[k]``;
 - values: a thread reads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
   coordinate pair; V^T row R = q + 8e + 16w + 64s holds coordinate ``WGMMA_VALUE_ORDER[R]`` = 2q + s + 32w + 16e.
-The softmax maximum of a tile is exchanged between the 4 warps through shared memory once, and every warp reduces
-the tile's value scales itself, so a tile has 3 barriers: the staged tile, the maxima, P^T.
+The softmax maximum of a tile is exchanged between the 4 warps through shared memory once (by tile parity), and
+every warp reduces the tile's value scales itself, so a tile has 4 barriers.
 The query rotation writes Q' in the key order and the split merge rotates the outputs back from the value order.
 """
 
@@ -143,15 +143,6 @@ def _warp_max_layout():
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 8])
 
 
-@gluon.constexpr_function
-def _centre_terms_layout():
-    """[4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group terms
-    broadcast over their 16 rows without moving data."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
-
-
 @gluon.jit
 def _split4(x):
     """[..., 2, 2] (both in registers) -> the 4 slices of the dim they split, in order."""
@@ -181,30 +172,36 @@ SCALE_READ_SMEM = gl.constexpr(gl.SharedLinearLayout(
 
 
 @gluon.jit
-def _stage_tile(head, bt_row, last_blk, start, hi, c_pg, k_off, k_ok, v_off, s_off, k_dst, v_dst, s_dst, stride_cb,
+def _page_ids(bt_row, last_blk, start, hi, c_pg, PAGE: gl.constexpr):
+    """The page id of each warp's 16 tokens of the 64-token tile from ``start`` (0 where start >= hi); rows past the
+    sequence read its last page, as the scores mask them."""
+    return gl.load(bt_row + gl.minimum((start + c_pg * 16) // PAGE, last_blk), mask=start < hi, other=0)
+
+
+@gluon.jit
+def _stage_tile(head, pid, start, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, s, stride_cb,
                 PAGE: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, kc_l: gl.constexpr,
                 vc_l: gl.constexpr, sc_l: gl.constexpr):
-    """Asynchronous copies of the 64-token tile from ``start`` into one stage's buffers (none where start >= hi),
-    one commit group. Rows past the sequence read its last page, as the scores mask them."""
+    """Asynchronous copies of the 64-token tile from ``start`` into stage ``s`` (none where start >= hi), one commit
+    group; ``pid``: its ``_page_ids``, loaded a tile earlier so that the copies wait on no load."""
     live = start < hi
     first = start + c_pg * 16  # each warp's 16 tokens lie in one page
-    pid = gl.load(bt_row + gl.minimum(first // PAGE, last_blk), mask=live, other=0).to(gl.int64)
-    page = head + pid * stride_cb
+    page = head + pid.to(gl.int64) * stride_cb
     kp = (page + K_IDX_OFF + (first % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
     async_copy.async_copy_global_to_shared(
-        k_dst._reinterpret(gl.int32, [4, 16, 16], KEY_COPY_SMEM), kp[:, None, None] + k_off,
+        stage_buf.index(2 * s)._reinterpret(gl.int32, [4, 16, 16], KEY_COPY_SMEM), kp[:, None, None] + k_off,
         mask=k_ok & live)
     vpage = gl.convert_layout(page, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
     vfirst = gl.convert_layout(first, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
     vp = (vpage + V_IDX_OFF + (vfirst % PAGE) * 64).to(gl.pointer_type(gl.int16), bitcast=True)
     async_copy.async_copy_global_to_shared(
-        v_dst._reinterpret(gl.int16, [4, 16, 32], VALUE_COPY_SMEM), vp[:, None, None] + v_off,
+        stage_buf.index(2 * s + 1)._reinterpret(gl.int16, [4, 16, 32], VALUE_COPY_SMEM), vp[:, None, None] + v_off,
         mask=((vfirst >= 0)[:, None, None] & (v_off >= 0)) & live)
     spage = gl.convert_layout(page, gl.SliceLayout(0, gl.SliceLayout(2, sc_l)), assert_trivial=True)
     sfirst = gl.convert_layout(first, gl.SliceLayout(0, gl.SliceLayout(2, sc_l)), assert_trivial=True)
     sp = (spage + (sfirst % PAGE) * 2).to(gl.pointer_type(gl.float16), bitcast=True)
     async_copy.async_copy_global_to_shared(
-        s_dst._reinterpret(gl.float16, [2, 4, 16], SCALE_COPY_SMEM), sp[None, :, None] + s_off,
+        s_st.index(s)._reinterpret(gl.float16, [2, 4, 16], SCALE_COPY_SMEM), sp[None, :, None] + s_off,
         mask=((sfirst >= 0)[None, :, None] & (s_off >= 0)) & live)
     async_copy.commit_group()
 
@@ -247,142 +244,6 @@ def _lookup_sign(sel4, sgn4, tab0, tab1, L5: gl.constexpr, SHAPE: gl.constexpr):
 def _halves(x):
     """[64, 4] selector words -> [64, 2 h, 4]: low half, high half (prmt reads bits 0-15)."""
     return gl.permute(gl.join(x, x >> 16), [0, 2, 1])
-
-
-@gluon.jit
-def _tile(start, lo, hi, m_i, e_v, l_acc, acc, k_cur, v_cur, s_cur, k_nxt, v_nxt, s_nxt,
-          head, bt_row, last_blk, c_pg, k_off, k_ok, v_off, s_off, stride_cb, q_smem, p_smem, mx_smem, q_unscale,
-          kt0, kt1, vt0, vt1, ts, all_tok, num_pages, grow, gk, cwz_smem, gsm, gsm2, cscale, PAGE_COS16, PAGE_SIN16,
-          PAGE: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, P_EXP: gl.constexpr,
-          CENTER: gl.constexpr):
-    """One 64-token tile of ``tq_paged_decode_wgmma_kernel``'s loop: its keys, values and scales are staged in
-    ``*_cur``, and the next tile's are copied into ``*_nxt`` (where the centred variant first computes its centre
-    terms). Returns the running (m_i, e_v, l_acc, acc)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    k5: gl.constexpr = _key5_layout()
-    kw_l: gl.constexpr = _keyword_layout()
-    v5: gl.constexpr = _val5_layout()
-    vh_l: gl.constexpr = _valhalf_layout()
-    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    kc_l: gl.constexpr = _copy_layout(16)
-    vc_l: gl.constexpr = _copy_layout(32)
-    sc_l: gl.constexpr = _scale_copy_layout()
-    mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    g3: gl.constexpr = _centre_terms_layout()
-    if CENTER:
-        if (start == lo) | (start % 1024 == 0):
-            # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
-            gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
-            gptr = gpage[:, None] * 128 + gk[None, :]
-            g = gl.zeros([64, 8], gl.float32, layout=mma16)
-            # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
-            # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
-            # can hold.
-            # the table chunks go through the free stage's two pieces (its copies are issued after this block)
-            ga_cos = k_nxt
-            ga_sin = v_nxt
-            for kc in range(4):
-                gl.thread_barrier()  # the last chunk's products have read the pieces
-                ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
-                gl.thread_barrier()  # one table's chunk in registers at a time
-                ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
-                fence_async_shared()
-                gl.thread_barrier()
-                g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
-                g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
-            gl.thread_barrier()  # the previous block's terms are read
-            gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
-            gl.thread_barrier()
-    async_copy.wait_group(0)  # this tile's copies
-    # Past this barrier every warp has finished the last tile (its reads of the other stage included), so the
-    # next tile's copies may go there; it is the tile's first of 3 barriers (the softmax maximum, P^T).
-    gl.thread_barrier()
-    _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, k_nxt, v_nxt, s_nxt,
-                stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-    kx = k_cur._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
-    w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
-    w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-    w1 = gl.convert_layout(w1, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-    w2 = gl.convert_layout(w2, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-    # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
-    # P0 | P1 << 8 | P2 << 16
-    s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
-    s1 = ((w0 >> 3) & 0x07070707) | ((w2 >> 1) & 0x70707070)
-    s2 = ((w1 >> 1) & 0x07070707) | ((w2 << 2) & 0x70707070)
-    s3 = (((w0 >> 6) & 0x03030303) | ((w1 << 2) & 0x04040404) | ((w1 >> 3) & 0x10101010)
-          | ((w2 << 5) & 0x60606060))
-    sel = gl.join(gl.join(_halves(s0), _halves(s1)), gl.join(_halves(s2), _halves(s3)))  # [64, 2h, 4tid, 2, 2]
-    sel = gl.reshape(gl.permute(sel, [0, 4, 3, 1, 2]), [64, 4, 2, 4])
-    kt = gl.reshape(_lookup(sel, kt0, kt1, k5, [64, 4, 2, 4, 4]), [64, 128])
-    kt = gl.convert_layout(kt, a_op, assert_trivial=True)
-    s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
-
-    tvalid = start + ts < hi
-    sx = s_cur._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_staged_scale_layout())
-    ksc, vsc = gl.split(gl.permute(sx, [1, 0]))
-    ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
-    vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
-    if CENTER:
-        gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
-        gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
-        s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
-    else:
-        s = s * ksc[:, None] * q_unscale[None, :]
-    s = gl.where(tvalid[:, None], s, float("-inf"))
-    mx_smem.store(gl.max(gl.reshape(s, [4, 16, 8]), axis=1))
-    gl.thread_barrier()
-    m_tile = gl.convert_layout(gl.max(mx_smem.load(_warp_max_layout()), axis=0), col_l,
-                               assert_trivial=True)
-    m_new = gl.maximum(m_i, gl.ceil(m_tile))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[None, :])
-    alpha = gl.exp2(m_i - m_safe)
-    l_acc = l_acc * alpha[None, :] + p
-    # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at most
-    # 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator follows e_v
-    # as it follows the softmax maximum.
-    _ks, vs_all = gl.split(gl.permute(
-        s_cur._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_all_scales_layout()), [1, 0]))
-    vs_all = gl.convert_layout(vs_all, all_tok.type.layout, assert_trivial=True).to(gl.float32)
-    vmax = gl.max(gl.where(start + all_tok < hi, vs_all, 0.0), axis=0)
-    e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
-    raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
-    if raised:
-        acc = acc * (alpha * gl.exp2(e_v - e_new))[None, :]
-    m_i = m_new
-    e_v = e_new
-    # P^T [64 k, 8] in V's token order: k = kb*32 + h*16 + tid*4 + j <- token tid*16 + kb*8 + h*4 + j.
-    pv = (p * (vsc * gl.exp2(P_EXP - e_v))[:, None]).to(gl.float8e4nv)
-    pv = gl.reshape(gl.permute(gl.reshape(pv, [4, 2, 2, 4, 8]), [1, 2, 0, 3, 4]), [64, 8])
-    p_smem.store(gl.permute(pv, [1, 0]))
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ...: token tid*16 + kb*8 + h*4 + u
-    vx = v_cur._reinterpret(gl.int16, [64, 32], VALUE_READ_SMEM)
-    vx = gl.reshape(vx.load(_staged_value_layout()), [4, 2, 2, 4, 32])
-    u0, u1, u2, u3 = _split4(gl.reshape(gl.permute(vx, [4, 1, 2, 0, 3]), [32, 2, 2, 4, 2, 2]))
-    u0 = gl.convert_layout(u0, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-    u1 = gl.convert_layout(u1, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-    u2 = gl.convert_layout(u2, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-    u3 = gl.convert_layout(u3, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-    ua = u0 | (u1 << 16)
-    ub = u2 | (u3 << 16)
-    y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
-                                                              is_pure=True, pack=1))
-    y1, sa1, sb1 = _value_selectors(gl.inline_asm_elementwise(PRMT_7531, "=r,r,r", [ua, ub], dtype=gl.uint32,
-                                                              is_pure=True, pack=1))
-    ysel = gl.join(y0, y1)  # [32 G, 2 kb, 2 h, 4 tid, 2 s]
-    ysel = gl.join(ysel, ysel >> 16)  # [.., 2 s, 2 e]
-    vsel = gl.reshape(gl.permute(gl.reshape(ysel, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
-    vsgn = gl.join(gl.join(sa0, sa1), gl.join(sb0, sb1))  # [.., 2 s, 2 e]
-    vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
-    vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
-    vt = gl.convert_layout(vt, a_op, assert_trivial=True)
-    acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
-    return m_i, e_v, l_acc, acc
 
 
 @gluon.jit
@@ -449,8 +310,9 @@ def tq_paged_decode_wgmma_kernel(
     q_exp = gl.where(amax * gl.exp2(q_exp) >= 448.0, q_exp - 1.0, q_exp)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 128], sm_l, (q * gl.exp2(q_exp)[:, None]).to(gl.float8e4nv))
     p_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 64], ps_l)
-    # the 4 warps' score maxima of a tile, exchanged through one barrier
-    mx_smem = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # the 4 warps' score maxima of a tile, by tile parity: one barrier exchanges them, and a warp a tile ahead writes
+    # the other half
+    mx_smem = gl.allocate_shared_memory(gl.float32, [2, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     all_tok = gl.arange(0, 64, layout=gl.SliceLayout(0, _all_scales_layout()))
     cols = gl.arange(0, 8, layout=col_l)
     q_unscale = gl.exp2(-gl.convert_layout(q_exp, col_l))
@@ -464,15 +326,11 @@ def tq_paged_decode_wgmma_kernel(
     kc_l: gl.constexpr = _copy_layout(16)
     vc_l: gl.constexpr = _copy_layout(32)
     sc_l: gl.constexpr = _scale_copy_layout()
-    # Each stage's keys and values, 4 KB each, allocated apart so that Triton's barrier placement tells them apart,
-    # with the centre product's layout: the centred variant computes in the free stage's buffers.
-    st_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-    k_st0 = gl.allocate_shared_memory(gl.float16, [64, 32], st_l)
-    v_st0 = gl.allocate_shared_memory(gl.float16, [64, 32], st_l)
-    k_st1 = gl.allocate_shared_memory(gl.float16, [64, 32], st_l)
-    v_st1 = gl.allocate_shared_memory(gl.float16, [64, 32], st_l)
-    s_st0 = gl.allocate_shared_memory(gl.float16, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    s_st1 = gl.allocate_shared_memory(gl.float16, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # one buffer of 4 KB pieces: stage s's keys at 2s, values at 2s + 1 (allocated with the centre product's layout,
+    # whose alignment the centred variant needs: it computes in the free stage's pieces)
+    stage_buf = gl.allocate_shared_memory(gl.float16, [4, 64, 32],
+                                          gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+    s_st = gl.allocate_shared_memory(gl.float16, [2, 2, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     c_pg = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, kc_l)))  # the page (16 tokens) each warp copies
     c_row = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, kc_l)))
     c_kw = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, kc_l)))
@@ -486,8 +344,9 @@ def tq_paged_decode_wgmma_kernel(
     k_ok = (c_kw < 12)[None, None, :] & (c_row < 16)[None, :, None] & (c_pg < 4)[:, None, None]
     v_off = (c_vrow * 32)[None, :, None] + c_vh[None, None, :]
     s_off = gl.where(c_kind == 0, K_SC_OFF // 2, V_SC_OFF // 2)[:, None, None] + c_srow[None, None, :]
-    _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, k_st0, v_st0, s_st0, stride_cb,
-                PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+    _stage_tile(head, _page_ids(bt_row, last_blk, lo, hi, c_pg, PAGE), lo, hi, c_pg, k_off, k_ok, v_off, s_off,
+                stage_buf, s_st, 0, stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+    pid_next = _page_ids(bt_row, last_blk, lo + 64, hi, c_pg, PAGE)
 
     if CENTER:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
@@ -502,30 +361,134 @@ def tq_paged_decode_wgmma_kernel(
         for c in gl.static_range(8):
             cwz_smem.index(c).store(gl.load(cbase + c * 32, mask=(cr < GQ)[:, None] & (cc < 32)[None, :], other=0.0))
         cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cols, mask=cols < GQ, other=0.0)
+        # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group
+        # terms broadcast over their 16 rows without moving data.
+        g3: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
         gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         grow = gl.arange(0, 64, layout=gl.SliceLayout(1, ga_l))
         gk = gl.arange(0, 32, layout=gl.SliceLayout(0, ga_l))
         fence_async_shared()
-    else:  # unused without centring
-        num_pages, grow, gk, cwz_smem, gsm, gsm2, cscale = 0, 0, 0, 0, 0, 0, 0
     m_i = gl.full([8], float("-inf"), gl.float32, layout=col_l)
     e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
     acc = gl.zeros([128, 8], gl.float32, layout=mma)
-    for start in range(lo, hi, 128):  # two tiles per pass, so that each stage's buffers are named statically
-        m_i, e_v, l_acc, acc = _tile(
-            start, lo, hi, m_i, e_v, l_acc, acc, k_st0, v_st0, s_st0, k_st1, v_st1, s_st1, head, bt_row, last_blk,
-            c_pg, k_off, k_ok, v_off, s_off, stride_cb, q_smem, p_smem, mx_smem, q_unscale, kt0, kt1, vt0, vt1, ts,
-            all_tok, num_pages, grow, gk, cwz_smem, gsm, gsm2, cscale, PAGE_COS16, PAGE_SIN16, PAGE, K_IDX_OFF,
-            V_IDX_OFF, P_EXP, CENTER)
-        if start + 64 < hi:
-            m_i, e_v, l_acc, acc = _tile(
-                start + 64, lo, hi, m_i, e_v, l_acc, acc, k_st1, v_st1, s_st1, k_st0, v_st0, s_st0, head, bt_row,
-                last_blk, c_pg, k_off, k_ok, v_off, s_off, stride_cb, q_smem, p_smem, mx_smem, q_unscale, kt0, kt1,
-                vt0, vt1, ts, all_tok, num_pages, grow, gk, cwz_smem, gsm, gsm2, cscale, PAGE_COS16, PAGE_SIN16, PAGE,
-                K_IDX_OFF, V_IDX_OFF, P_EXP, CENTER)
+    for start in range(lo, hi, 64):
+        stage = ((start - lo) // 64) % 2
+        if CENTER:
+            if (start == lo) | (start % 1024 == 0):
+                # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
+                gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
+                gptr = gpage[:, None] * 128 + gk[None, :]
+                g = gl.zeros([64, 8], gl.float32, layout=mma16)
+                # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
+                # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
+                # can hold.
+                # the table chunks go through the free stage's two pieces (its copies are issued after this block)
+                ga_cos = stage_buf.index(2 - 2 * stage)
+                ga_sin = stage_buf.index(3 - 2 * stage)
+                for kc in range(4):
+                    gl.thread_barrier()  # the last chunk's products have read the pieces
+                    ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
+                    gl.thread_barrier()  # one table's chunk in registers at a time
+                    ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
+                    g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
+                gl.thread_barrier()  # the previous block's terms are read
+                gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
+                gl.thread_barrier()
+        _stage_tile(head, pid_next, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
+                    stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+        pid_next = _page_ids(bt_row, last_blk, start + 128, hi, c_pg, PAGE)
+        async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
+        gl.thread_barrier()
+        kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
+        w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
+        w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+        w1 = gl.convert_layout(w1, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+        w2 = gl.convert_layout(w2, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+        # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
+        # P0 | P1 << 8 | P2 << 16
+        s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
+        s1 = ((w0 >> 3) & 0x07070707) | ((w2 >> 1) & 0x70707070)
+        s2 = ((w1 >> 1) & 0x07070707) | ((w2 << 2) & 0x70707070)
+        s3 = (((w0 >> 6) & 0x03030303) | ((w1 << 2) & 0x04040404) | ((w1 >> 3) & 0x10101010)
+              | ((w2 << 5) & 0x60606060))
+        sel = gl.join(gl.join(_halves(s0), _halves(s1)), gl.join(_halves(s2), _halves(s3)))  # [64, 2h, 4tid, 2, 2]
+        sel = gl.reshape(gl.permute(sel, [0, 4, 3, 1, 2]), [64, 4, 2, 4])
+        kt = gl.reshape(_lookup(sel, kt0, kt1, k5, [64, 4, 2, 4, 4]), [64, 128])
+        kt = gl.convert_layout(kt, a_op, assert_trivial=True)
+        s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
+
+        tvalid = start + ts < hi
+        sx = s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_staged_scale_layout())
+        ksc, vsc = gl.split(gl.permute(sx, [1, 0]))
+        ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
+        vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
+        if CENTER:
+            gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
+            gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
+            s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
+        else:
+            s = s * ksc[:, None] * q_unscale[None, :]
+        s = gl.where(tvalid[:, None], s, float("-inf"))
+        mx_smem.index(stage).store(gl.max(gl.reshape(s, [4, 16, 8]), axis=1))
+        gl.thread_barrier()
+        m_tile = gl.convert_layout(gl.max(mx_smem.index(stage).load(_warp_max_layout()), axis=0), col_l,
+                                   assert_trivial=True)
+        m_new = gl.maximum(m_i, gl.ceil(m_tile))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_acc = l_acc * alpha[None, :] + p
+        # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at most
+        # 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator follows e_v
+        # as it follows the softmax maximum.
+        _ks, vs_all = gl.split(gl.permute(
+            s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_all_scales_layout()), [1, 0]))
+        vs_all = gl.convert_layout(vs_all, all_tok.type.layout, assert_trivial=True).to(gl.float32)
+        vmax = gl.max(gl.where(start + all_tok < hi, vs_all, 0.0), axis=0)
+        e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
+        raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
+        if raised:
+            acc = acc * (alpha * gl.exp2(e_v - e_new))[None, :]
+        m_i = m_new
+        e_v = e_new
+        # P^T [64 k, 8] in V's token order: k = kb*32 + h*16 + tid*4 + j <- token tid*16 + kb*8 + h*4 + j.
+        pv = (p * (vsc * gl.exp2(P_EXP - e_v))[:, None]).to(gl.float8e4nv)
+        pv = gl.reshape(gl.permute(gl.reshape(pv, [4, 2, 2, 4, 8]), [1, 2, 0, 3, 4]), [64, 8])
+        p_smem.store(gl.permute(pv, [1, 0]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ...: token tid*16 + kb*8 + h*4 + u
+        vx = stage_buf.index(2 * stage + 1)._reinterpret(gl.int16, [64, 32], VALUE_READ_SMEM)
+        vx = gl.reshape(vx.load(_staged_value_layout()), [4, 2, 2, 4, 32])
+        u0, u1, u2, u3 = _split4(gl.reshape(gl.permute(vx, [4, 1, 2, 0, 3]), [32, 2, 2, 4, 2, 2]))
+        u0 = gl.convert_layout(u0, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u1 = gl.convert_layout(u1, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u2 = gl.convert_layout(u2, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        u3 = gl.convert_layout(u3, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+        ua = u0 | (u1 << 16)
+        ub = u2 | (u3 << 16)
+        y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                  is_pure=True, pack=1))
+        y1, sa1, sb1 = _value_selectors(gl.inline_asm_elementwise(PRMT_7531, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                  is_pure=True, pack=1))
+        ysel = gl.join(y0, y1)  # [32 G, 2 kb, 2 h, 4 tid, 2 s]
+        ysel = gl.join(ysel, ysel >> 16)  # [.., 2 s, 2 e]
+        vsel = gl.reshape(gl.permute(gl.reshape(ysel, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
+        vsgn = gl.join(gl.join(sa0, sa1), gl.join(sb0, sb1))  # [.., 2 s, 2 e]
+        vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
+        vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
+        vt = gl.convert_layout(vt, a_op, assert_trivial=True)
+        acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
+        gl.thread_barrier()  # P^T is rewritten by the next tile
 
     l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0, l_i, 1.0)
