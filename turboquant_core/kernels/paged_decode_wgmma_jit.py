@@ -172,21 +172,15 @@ SCALE_READ_SMEM = gl.constexpr(gl.SharedLinearLayout(
 
 
 @gluon.jit
-def _page_ids(bt_row, last_blk, start, hi, c_pg, PAGE: gl.constexpr):
-    """The page id of each warp's 16 tokens of the 64-token tile from ``start`` (0 where start >= hi); rows past the
-    sequence read its last page, as the scores mask them."""
-    return gl.load(bt_row + gl.minimum((start + c_pg * 16) // PAGE, last_blk), mask=start < hi, other=0)
-
-
-@gluon.jit
-def _stage_tile(head, pid, start, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, s, stride_cb,
+def _stage_tile(head, bt_row, last_blk, start, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, s, stride_cb,
                 PAGE: gl.constexpr, K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, kc_l: gl.constexpr,
                 vc_l: gl.constexpr, sc_l: gl.constexpr):
     """Asynchronous copies of the 64-token tile from ``start`` into stage ``s`` (none where start >= hi), one commit
-    group; ``pid``: its ``_page_ids``, loaded a tile earlier so that the copies wait on no load."""
+    group. Rows past the sequence read its last page, as the scores mask them."""
     live = start < hi
     first = start + c_pg * 16  # each warp's 16 tokens lie in one page
-    page = head + pid.to(gl.int64) * stride_cb
+    pid = gl.load(bt_row + gl.minimum(first // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    page = head + pid * stride_cb
     kp = (page + K_IDX_OFF + (first % PAGE) * 48).to(gl.pointer_type(gl.int32), bitcast=True)
     async_copy.async_copy_global_to_shared(
         stage_buf.index(2 * s)._reinterpret(gl.int32, [4, 16, 16], KEY_COPY_SMEM), kp[:, None, None] + k_off,
@@ -344,9 +338,8 @@ def tq_paged_decode_wgmma_kernel(
     k_ok = (c_kw < 12)[None, None, :] & (c_row < 16)[None, :, None] & (c_pg < 4)[:, None, None]
     v_off = (c_vrow * 32)[None, :, None] + c_vh[None, None, :]
     s_off = gl.where(c_kind == 0, K_SC_OFF // 2, V_SC_OFF // 2)[:, None, None] + c_srow[None, None, :]
-    _stage_tile(head, _page_ids(bt_row, last_blk, lo, hi, c_pg, PAGE), lo, hi, c_pg, k_off, k_ok, v_off, s_off,
-                stage_buf, s_st, 0, stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-    pid_next = _page_ids(bt_row, last_blk, lo + 64, hi, c_pg, PAGE)
+    _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
+                PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
 
     if CENTER:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
@@ -402,9 +395,8 @@ def tq_paged_decode_wgmma_kernel(
                 gl.thread_barrier()  # the previous block's terms are read
                 gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
                 gl.thread_barrier()
-        _stage_tile(head, pid_next, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
+        _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
                     stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-        pid_next = _page_ids(bt_row, last_blk, start + 128, hi, c_pg, PAGE)
         async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
         gl.thread_barrier()
         kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
