@@ -146,7 +146,8 @@ variant = {v.name: v for v in ahead.recorded}
 def launch_again(name):
     with counting_compiles() as count:
         _jit_function(variant[name]).preload(variant[name].specialization)
-    return count.compiled, count.first_compiled and explain_recompile(ahead, *count.first_compiled)
+    return count.compiled, count.first_compiled and explain_recompile(ahead, *count.first_compiled,
+                                                                      count.first_lookup)
 
 
 out = {"ahead": ahead.compiled}
@@ -158,6 +159,12 @@ os.environ["TRITON_CACHE_DIR"] = os.environ["OTHER_CACHE_DIR"]
 out["dir"] = launch_again("tq_rotate_queries_kernel")
 with loading_from(ahead) as moved:  # the directory compiled into, for the duration
     out["pinned"] = [moved, launch_again("tq_paged_store_kernel")]
+    # an entry gone from the directory compiled into: the same key and directory, where Triton looked at the time
+    import shutil
+    from triton.runtime.cache import get_cache_manager
+    from turboquant_core.ops.compile_ahead import compile_variant
+    shutil.rmtree(get_cache_manager(compile_variant(variant["tq_paged_store_kernel"]).hash).cache_dir)
+    out["gone"] = launch_again("tq_paged_store_kernel")
 print(json.dumps(out))
 '''
 
@@ -187,6 +194,10 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
                    f"ahead and is {res['dir_now']} now"), why
     # loading_from: the directory compiled into while open: a load, not a compile
     assert res["pinned"] == [res["dir_now"], [[], None]]
+    compiled, why = res["gone"]
+    assert compiled == ["tq_paged_store_kernel"]
+    assert why == (f"tq_paged_store_kernel: same cache key and cache directory ({res['dir_ahead']}), yet not found "
+                   "there"), why
 
 
 def test_variants_compile_outside_the_directory_torch_inductor_points_triton_to(tmp_path, monkeypatch):

@@ -128,6 +128,8 @@ class CompileCount:
     loaded: int = 0
     compiled: list[str] = field(default_factory=list)
     first_compiled: tuple[object, dict] | None = field(default=None, repr=False)
+    # where Triton looked when it compiled the first: its cache directory and cache manager class at that moment
+    first_lookup: dict = field(default_factory=dict, repr=False)
 
 
 @contextmanager
@@ -144,6 +146,7 @@ def counting_compiles():
             count.compiled.append(getattr(src, "name", str(src)))
             if count.first_compiled is None:
                 count.first_compiled = (src, dict(kw.get("metadata") or {}))
+                count.first_lookup = {"cache_dir": knobs.cache.dir, "manager": knobs.cache.manager_class}
         if previous is not None:
             previous(src=src, cache_hit=cache_hit, **kw)
 
@@ -229,13 +232,14 @@ def _key_parts(src, target: GPUTarget, options: dict, env_vars: dict) -> dict[st
     return parts
 
 
-def explain_recompile(report: CompileAheadReport, src, metadata: dict) -> str:
+def explain_recompile(report: CompileAheadReport, src, metadata: dict, lookup: dict | None = None) -> str:
     """Why a launch compiled a kernel that ``compile_ahead`` had recorded (``report``) and compiled or found cached:
     the parts of Triton's cache key in which the launch differs from the recorded variant of that kernel closest to
-    it, or, where the keys agree, the cache directories of the two."""
+    it, or, where the keys agree, the cache directories of the two. ``lookup``: ``CompileCount.first_lookup``, where
+    Triton looked at the time (else its cache directory now)."""
     name = getattr(src, "name", "")
     candidates = [v for v in report.recorded if v.name.rsplit(".", 1)[-1] == name]
-    cache_dir = knobs.cache.dir
+    cache_dir = (lookup or {}).get("cache_dir") or knobs.cache.dir
     if not candidates:
         return f"{name}: not among the {len(report.recorded)} variants recorded ahead"
     target = metadata.get("target")
@@ -255,7 +259,10 @@ def explain_recompile(report: CompileAheadReport, src, metadata: dict) -> str:
     if cache_dir != report.cache_dir:
         return (f"{name}: same cache key, but Triton's cache directory was {report.cache_dir} ahead and is "
                 f"{cache_dir} now")
-    return f"{name}: same cache key and cache directory ({cache_dir}), yet not found there"
+    manager = (lookup or {}).get("manager")  # a cache manager of its own (TRITON_CACHE_MANAGER) may look elsewhere
+    return (f"{name}: same cache key and cache directory ({cache_dir}), yet not found there"
+            + (f"; Triton's cache manager: {getattr(manager, '__module__', '')}.{getattr(manager, '__name__', manager)}"
+               if manager is not None else ""))
 
 
 def compile_variant(variant: KernelVariant):

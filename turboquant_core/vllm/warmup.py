@@ -143,7 +143,7 @@ def warmup_tq_attention(model_runner) -> None:
         # Variants compiled ahead (or found cached) that the launches compiled anyway: say which part of Triton's
         # cache key or which cache directory parted them, so that the start-up time lost can be traced.
         try:
-            why = explain_recompile(ahead, *count.first_compiled)
+            why = explain_recompile(ahead, *count.first_compiled, count.first_lookup)
         except Exception as e:  # a diagnosis only
             why = f"{type(e).__name__}: {e}"
         logger.warning(
