@@ -188,6 +188,7 @@ def _stage_tile(head, bt_row, last_blk, start, hi, c_pg, k_off, k_ok, v_off, s_o
     vpage = gl.convert_layout(page, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
     vfirst = gl.convert_layout(first, gl.SliceLayout(1, gl.SliceLayout(2, vc_l)), assert_trivial=True)
     vp = (vpage + V_IDX_OFF + (vfirst % PAGE) * 64).to(gl.pointer_type(gl.int16), bitcast=True)
+    # (the value and scale masks only spread ``live`` over the pointers' shape)
     async_copy.async_copy_global_to_shared(
         stage_buf.index(2 * s + 1)._reinterpret(gl.int16, [4, 16, 32], VALUE_COPY_SMEM), vp[:, None, None] + v_off,
         mask=((vfirst >= 0)[:, None, None] & (v_off >= 0)) & live)
@@ -379,8 +380,7 @@ def tq_paged_decode_wgmma_kernel(
                 g = gl.zeros([64, 8], gl.float32, layout=mma16)
                 # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
                 # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
-                # can hold.
-                # the table chunks go through the free stage's two pieces (its copies are issued after this block)
+                # can hold. They use the free stage's two pieces, whose copies are issued after this block.
                 ga_cos = stage_buf.index(2 - 2 * stage)
                 ga_sin = stage_buf.index(3 - 2 * stage)
                 for kc in range(4):
