@@ -165,6 +165,16 @@ with loading_from(ahead) as moved:  # the directory compiled into, for the durat
     from turboquant_core.ops.compile_ahead import compile_variant
     shutil.rmtree(get_cache_manager(compile_variant(variant["tq_paged_store_kernel"]).hash).cache_dir)
     out["gone"] = launch_again("tq_paged_store_kernel")
+    # each worker reported the key this process computes for its variant
+    from turboquant_core.ops.compile_ahead import _compile_inputs, key_digests
+    out["worker_keys"] = [ahead.worker_keys.get(i) == key_digests(*_compile_inputs(v))
+                          for i, v in enumerate(ahead.recorded)]
+    # a worker that had computed another key (its source's part, as a global read differently there would make it)
+    i = [v.name for v in ahead.recorded].index(variant["tq_merge_unrotate_kernel"].name)
+    ahead.worker_keys[i] = dict(ahead.worker_keys[i], source="0" * 12, hash="f" * 12)
+    shutil.rmtree(get_cache_manager(compile_variant(variant["tq_merge_unrotate_kernel"]).hash).cache_dir)
+    out["worker"] = [ahead.worker_keys[i], key_digests(*_compile_inputs(variant["tq_merge_unrotate_kernel"])),
+                     launch_again("tq_merge_unrotate_kernel")]
 print(json.dumps(out))
 '''
 
@@ -198,6 +208,12 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     assert compiled == ["tq_paged_store_kernel"]
     assert why == (f"tq_paged_store_kernel: same cache key and cache directory ({res['dir_ahead']}), yet not found "
                    "there"), why
+    # the workers' keys are this process's, part by part; one that was not is named with the part it differs in
+    assert res["worker_keys"] == [True] * 4, res["worker_keys"]
+    theirs, here, (compiled, why) = res["worker"]
+    assert compiled == ["tq_merge_unrotate_kernel"]
+    assert why == ("tq_merge_unrotate_kernel: the worker that compiled it computed another cache key "
+                   f"(ffffffffffff -> {here['hash']}), apart in source 000000000000 -> {here['source']}"), why
 
 
 def test_variants_compile_outside_the_directory_torch_inductor_points_triton_to(tmp_path, monkeypatch):

@@ -84,10 +84,12 @@ class CompileAheadReport:
     recorded: list[KernelVariant] = field(default_factory=list, repr=False)
     cache_dir: str = ""
     env_vars: dict[str, str] = field(default_factory=dict)
+    # recorded variant index -> its cache-key parts as the worker that compiled it computed them (``key_digests``)
+    worker_keys: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict:
         """The counts, times, cache directory and environment, JSON-ready (without the recorded variants)."""
-        return {k: v for k, v in self.__dict__.items() if k != "recorded"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("recorded", "worker_keys")}
 
     def describe(self) -> str:
         text = (f"{self.variants} kernel variants, {self.cached} already cached, {self.compiled} compiled "
@@ -232,6 +234,21 @@ def _key_parts(src, target: GPUTarget, options: dict, env_vars: dict) -> dict[st
     return parts
 
 
+def key_digests(src, target: GPUTarget, options: dict, env_vars: dict | None = None) -> dict[str, str]:
+    """``_key_parts`` of one source as short digests, with Triton's own installation key and the whole key's hash:
+    what a worker process reports for each variant it compiles, so that a process whose key differs can say in which
+    part (the source's hash is computed per process, from the function and the globals it reads)."""
+    from triton.runtime.cache import triton_key
+
+    env_vars = dict(get_cache_invalidating_env_vars()) if env_vars is None else env_vars
+    parts = _key_parts(src, target, options, env_vars)
+    parts["triton"] = triton_key()
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    parts["hash"] = hashlib.sha256(get_cache_key(src, backend, opts, env_vars=env_vars).encode("utf-8")).hexdigest()
+    return {k: hashlib.sha256(str(v).encode("utf-8")).hexdigest()[:12] for k, v in parts.items()}
+
+
 def explain_recompile(report: CompileAheadReport, src, metadata: dict, lookup: dict | None = None) -> str:
     """Why a launch compiled a kernel that ``compile_ahead`` had recorded (``report``) and compiled or found cached:
     the parts of Triton's cache key in which the launch differs from the recorded variant of that kernel closest to
@@ -247,15 +264,28 @@ def explain_recompile(report: CompileAheadReport, src, metadata: dict, lookup: d
         target = GPUTarget(*candidates[0].target)
     launched = _key_parts(src, target, metadata, get_cache_invalidating_env_vars())
     best: list[str] | None = None
+    match = None
     for v in candidates:
         v_src, v_target, v_options = _compile_inputs(v)
         recorded = _key_parts(v_src, v_target, v_options, report.env_vars)
         diff = [f"{k} {recorded.get(k, '(none)')[:60]} -> {launched.get(k, '(none)')[:60]}"
                 for k in sorted(set(recorded) | set(launched)) if recorded.get(k) != launched.get(k)]
         if best is None or len(diff) < len(best):
-            best = diff
+            best, match = diff, v
     if best:
         return f"{name}: Triton's cache key differs from the variant compiled ahead in " + "; ".join(best[:4])
+    # The same key parts when this process computes both: compare with what the worker that compiled the variant
+    # computed (the source's part is computed per process).
+    theirs = report.worker_keys.get(report.recorded.index(match)) if match in report.recorded else None
+    if theirs:
+        here = key_digests(src, target, metadata)
+        if metadata.get("hash"):  # the key the launch used
+            here["hash"] = hashlib.sha256(str(metadata["hash"]).encode("utf-8")).hexdigest()[:12]
+        if theirs.get("hash") != here.get("hash"):
+            apart = [f"{k} {theirs[k]} -> {here.get(k)}" for k in sorted(theirs)
+                     if k != "hash" and theirs[k] != here.get(k)]
+            return (f"{name}: the worker that compiled it computed another cache key ({theirs.get('hash')} -> "
+                    f"{here.get('hash')}), apart in " + ("; ".join(apart[:4]) or "no part compared"))
     if cache_dir != report.cache_dir:
         return (f"{name}: same cache key, but Triton's cache directory was {report.cache_dir} ahead and is "
                 f"{cache_dir} now")
@@ -306,6 +336,7 @@ class WorkerOutcome:
     failed: list[str]
     launchers: int
     launcher_errors: list[str]
+    keys: dict[int, dict[str, str]] = field(default_factory=dict)  # variant index -> the worker's key digests
 
 
 def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 300.0) -> WorkerOutcome:
@@ -316,6 +347,7 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
         jobs.put(i)
     outcome: dict[int, str | None] = {}  # variant -> None (compiled) or why not
     launchers: dict[int, str | None] = {}  # compiled variant -> None (launcher built) or why not
+    keys: dict[int, dict[str, str]] = {}
     lock = threading.Lock()
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU; a worker must not open a context on one
@@ -341,6 +373,8 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
                 result = json.loads(line) if line else {"ok": False, "error": gone}
                 with lock:
                     outcome[i] = None if result["ok"] else result["error"]
+                    if result.get("key"):
+                        keys[i] = result["key"]
                     if result.get("launcher") or result.get("launcher_error"):
                         launchers[i] = result.get("launcher_error")
                 if not line:
@@ -368,7 +402,7 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
         failed = [f"{v.name}: {outcome[i]}" if i in outcome else f"{v.name}: not compiled within {timeout_s:.0f} s"
                   for i, v in enumerate(variants) if outcome.get(i, "") is not None]
         return WorkerOutcome(failed, sum(why is None for why in launchers.values()),
-                             [f"{variants[i].name}: {why}" for i, why in launchers.items() if why])
+                             [f"{variants[i].name}: {why}" for i, why in launchers.items() if why], dict(keys))
 
 
 def _inductor_cache_dir() -> str | None:
@@ -418,6 +452,7 @@ def _compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadRe
         report.workers = min(workers, len(todo))
         done = compile_in_workers(todo, report.workers)
         report.failed, report.launchers, report.launcher_errors = done.failed, done.launchers, done.launcher_errors
+        report.worker_keys = {variants.index(todo[i]): k for i, k in done.keys.items()}
         report.compiled = len(todo) - len(report.failed)
         report.compile_s = time.perf_counter() - t0
     return report
@@ -434,8 +469,9 @@ def _worker_main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            kernel = compile_variant(KernelVariant.from_json(line))
-            out = {"ok": True, "seconds": time.perf_counter() - t0}
+            variant = KernelVariant.from_json(line)
+            kernel = compile_variant(variant)
+            out = {"ok": True, "seconds": time.perf_counter() - t0, "key": key_digests(*_compile_inputs(variant))}
         except Exception as e:  # reported to the parent, whose real launch compiles (and raises) instead
             out = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         else:
