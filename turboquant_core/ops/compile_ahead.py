@@ -276,7 +276,7 @@ def explain_recompile(report: CompileAheadReport, src, metadata: dict, lookup: d
         return f"{name}: Triton's cache key differs from the variant compiled ahead in " + "; ".join(best[:4])
     # The same key parts when this process computes both: compare with what the worker that compiled the variant
     # computed (the source's part is computed per process).
-    theirs = report.worker_keys.get(report.recorded.index(match)) if match in report.recorded else None
+    theirs = report.worker_keys.get(report.recorded.index(match))
     if theirs:
         here = key_digests(src, target, metadata)
         if metadata.get("hash"):  # the key the launch used
@@ -416,9 +416,9 @@ def _inductor_cache_dir() -> str | None:
 def kernel_cache_dir() -> str:
     """Where ``compile_ahead`` compiles the variants, and the warm-up loads them from: Triton's cache directory
     (TRITON_CACHE_DIR, else ~/.triton/cache), except where torch inductor has pointed TRITON_CACHE_DIR into its own
-    cache, as it does when it first loads a kernel of its own. Inductor's compile cache replaces that directory when
-    it saves the model's artifacts, and the variants compiled there were lost (the first engine on a machine
-    compiled them all again); in that case Triton's default directory."""
+    cache, as it does when it first loads a kernel of its own; in that case Triton's default directory, which
+    inductor's saves do not touch and later engines find. (The first engine's warm-up misses the workers' variants
+    in either directory: ``explain_recompile`` compares the workers' keys to find out why.)"""
     current = os.path.abspath(knobs.cache.dir)
     inductor = _inductor_cache_dir()
     if inductor and os.path.commonpath([current, os.path.abspath(inductor)]) == os.path.abspath(inductor):
