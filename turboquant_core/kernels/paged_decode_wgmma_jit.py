@@ -21,7 +21,7 @@ one page), so the loop waits on no global load of the tile it computes. From sha
 - values: a thread reads the halfword (4 coordinates) of 4 consecutive tokens, two ``prmt`` regroup them by
   coordinate pair; V^T row R = q + 8e + 16w + 64s holds coordinate ``WGMMA_VALUE_ORDER[R]`` = 2q + s + 32w + 16e.
 The softmax maximum of a tile is exchanged between the 4 warps through shared memory once (by tile parity), and
-every warp reduces the tile's value scales itself, so a tile has 4 barriers.
+every warp reduces the tile's value scales itself, so a tile has 4 barriers of its own (Triton adds 2).
 The query rotation writes Q' in the key order and the split merge rotates the outputs back from the value order.
 """
 
