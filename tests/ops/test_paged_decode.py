@@ -20,7 +20,7 @@ from turboquant_core.kernels.paged_decode_jit import plane_transpose_asm
 from turboquant_core.ops import paged_decode
 from turboquant_core.ops.page_layout import paged_layout
 from turboquant_core.ops.paged import tq_paged_attention_ref
-from turboquant_core.ops.paged_attention import TQAttentionPlan
+from turboquant_core.ops.paged_attention import TQAttentionConfig, TQAttentionPlan
 from turboquant_core.ops.paged_decode import (
     DECODE_BITS,
     codebook_permute_words,
@@ -30,6 +30,9 @@ from turboquant_core.ops.paged_decode import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# The GPU tests here are the register-tile kernel's: on an sm_90 GPU the default ("auto") takes k3v4 decode batches
+# of head_dim 128 to the e4m3 warpgroup-MMA kernel (tests/ops/test_paged_decode_wgmma.py).
+REGISTER_TILE = TQAttentionConfig(decode_kernel="register-tile")
 
 
 @pytest.mark.parametrize("num_reqs,context,want", [(8, 32768, 24), (16, 16384, 12), (64, 1280, 3), (32, 8448, 6),
@@ -151,6 +154,45 @@ paged_decode.run_decode(plan, q, u8, f16, torch.empty_like(q), None)
 '''
 
 
+@pytest.mark.parametrize("d,hq,tokens", [(128, 32, 2), (64, 9, 3)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 13])
+@pytest.mark.parametrize("write_lse", [False, True])
+def test_split_merge_matches_its_reference(d, hq, tokens, num_splits, write_lse, device):
+    """``merge_unrotate`` (on the CPU, Triton's interpreter runs its kernel): the splits' partial outputs weighted
+    by their log2-sum-exps, the rotation back and the log-sum-exp, against float64 torch. Empty splits (-inf) hold
+    NaN in the workspace, as a split the kernel never wrote may; rows whose splits are all empty come out zero,
+    -inf. 13 splits take two chunks of the kernel's 8, so the running maximum's rescaling is tested too."""
+    g = torch.Generator().manual_seed(num_splits * 100 + d)
+    rows = tokens * hq
+    part_o = torch.randn(num_splits, tokens, hq, d, generator=g)
+    part_l = torch.randn(num_splits, tokens, hq, generator=g) * 4
+    empty = torch.rand(num_splits, tokens, hq, generator=g) < 0.3
+    empty[:, 0, 1] = True  # a row with no split at all
+    part_l[empty] = float("-inf")
+    part_o[empty] = float("nan")
+    rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].contiguous()
+    hi = rot.to(torch.float16)
+    lo = (rot - hi.double()).to(torch.float16)
+    out = torch.empty(tokens, hq, d, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(hq, tokens, device=device) if write_lse else None
+    paged_decode.merge_unrotate(part_o.to(device), part_l.to(device), (hi.to(device), lo.to(device)), out, lse, rows,
+                                num_splits, 1.5, hq, d, False)
+    out, lse = out.cpu(), (lse.cpu() if write_lse else None)
+
+    w = torch.exp2(part_l.double() - part_l.double().amax(0).clamp_min(-1e30))
+    w = torch.where(empty, 0.0, w)
+    total = w.sum(0)
+    y = torch.where(empty[..., None], 0.0, part_o.double() * w[..., None]).sum(0) / total.clamp_min(1e-300)[..., None]
+    want = (y @ rot) * 1.5
+    assert torch.equal(out[0, 1].float(), torch.zeros(d))
+    torch.testing.assert_close(out.double(), want.to(torch.bfloat16).double(), rtol=2e-2, atol=2e-2)
+    assert (out.double() - want).abs().max() <= 0.008 * want.abs().max()
+    if write_lse:
+        want_lse = torch.where(total > 0, (part_l.double().amax(0) + torch.log2(total)) * 0.6931471805599453,
+                               float("-inf")).T
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,d,hq,hkv", [
     ("turboquant_k3v4_nc", 128, 32, 8),  # Qwen3-8B heads
@@ -188,7 +230,7 @@ def test_register_tile_decode_matches_reference_and_triton(name, d, group, split
 
 def _check_register_tile(lay, cache, bt, qsl, sl, q, *, max_query_len, splits):
     """The register-tile kernel serves the batch and matches the float64 reference, and the Triton kernel."""
-    plan = TQAttentionPlan(lay, q.shape[1], cache.shape[1], "cuda")
+    plan = TQAttentionPlan(lay, q.shape[1], cache.shape[1], "cuda", config=REGISTER_TILE)
     plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=max_query_len, max_seq_len=int(sl.max()),
               num_splits=splits)
     assert plan.decode_splits > 0
@@ -237,7 +279,7 @@ def test_decode_output_barely_depends_on_the_split_count(name):
     q = q.half()
     outs = []
     for splits in (1, 2, 5, 11):
-        plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+        plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda", config=REGISTER_TILE)
         plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=1, max_seq_len=2900, num_splits=splits)
         assert plan.decode_splits == splits
         outs.append(plan.run(q, cache))
@@ -254,7 +296,7 @@ def test_register_tile_in_a_cuda_graph(ctx, q_lens, later):
     """A decode batch and a uniform verification batch (4 queries per request), each captured once and replayed;
     the verification batch after its lengths changed in place (as vLLM's full CUDA graphs replay)."""
     lay, cache, bt, qsl, sl, q = _paged_batch("turboquant_k3v4_nc", 128, 2, 4, ctx, q_lens, "cuda")
-    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda")
+    plan = TQAttentionPlan(lay, q.shape[1], 2, "cuda", config=REGISTER_TILE)
     plan.plan(bt, qsl, sl, num_tokens=q.shape[0], max_query_len=max(q_lens), max_seq_len=4096)
     out = torch.empty_like(q)
     plan.run(q, cache, out=out)

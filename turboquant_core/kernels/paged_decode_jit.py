@@ -459,29 +459,50 @@ def tq_merge_unrotate_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     ROT_HI, ROT_LO, OUT, stride_ot, stride_oh, LSE, stride_lh, num_rows, num_splits, v_rot_scale,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
-    BR: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BR: tl.constexpr, SC: tl.constexpr, ONE_SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Rows (token, head): merge the splits' partial outputs (V order) by their log2-sum-exp, then rotate
     back once: out = (y R_V) * v_rot_scale, y scaled to max |y| = 1 first so the fp16 product operands
-    stay in range."""
+    stay in range. A split whose log2-sum-exp is -inf adds nothing, whatever its workspace holds.
+
+    The splits come SC at a time: their log2-sum-exps in one load, their partial outputs in SC loads that wait
+    for nothing (unrolled), merged into a running maximum; a merge waits on memory once per SC splits, not
+    twice per split. ``ONE_SPLIT`` (num_splits == 1): no merge, the partial output rotated back."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
     h = r % HQ
-    mx = tl.full((BR,), float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        mx = tl.maximum(mx, tl.load(PART_L + s * stride_pls + t * stride_plt + h, mask=rmask, other=float("-inf")))
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     i = tl.arange(0, DP)
-    y = tl.zeros((BR, DP), tl.float32)
-    total = tl.zeros((BR,), tl.float32)
-    for s in range(0, num_splits):
-        ls = tl.load(PART_L + s * stride_pls + t * stride_plt + h, mask=rmask, other=float("-inf"))
-        w = tl.where(ls == float("-inf"), 0.0, tl.exp2(ls - mx_safe))
-        po = tl.load(PART_O + s * stride_pos + t[:, None] * stride_pot + h[:, None] * stride_poh + i[None, :],
-                     mask=(rmask & (w > 0))[:, None], other=0.0)
-        y += po * w[:, None]
-        total += w
+    if ONE_SPLIT:
+        mx = tl.load(PART_L + t * stride_plt + h, mask=rmask, other=float("-inf"))
+        po = tl.load(PART_O + t[:, None] * stride_pot + h[:, None] * stride_poh + i[None, :], mask=rmask[:, None],
+                     other=0.0)
+        y = tl.where((mx > float("-inf"))[:, None], po, 0.0)
+        total = tl.where(mx > float("-inf"), 1.0, 0.0)
+    else:
+        c = tl.arange(0, SC)
+        mx = tl.full((BR,), float("-inf"), tl.float32)
+        y = tl.zeros((BR, DP), tl.float32)
+        total = tl.zeros((BR,), tl.float32)
+        s0 = 0
+        while s0 < num_splits:  # (while: Triton's interpreter takes no runtime bound in range())
+            s = s0 + c
+            ls = tl.load(PART_L + s[None, :] * stride_pls + t[:, None] * stride_plt + h[:, None],
+                         mask=rmask[:, None] & (s < num_splits)[None, :], other=float("-inf"))  # [BR, SC]
+            new = tl.maximum(mx, tl.max(ls, axis=1))
+            new_safe = tl.where(new == float("-inf"), 0.0, new)
+            alpha = tl.exp2(mx - new_safe)  # 0 while nothing was merged (mx = -inf)
+            w = tl.exp2(ls - new_safe[:, None])  # 0 for empty splits
+            y = y * alpha[:, None]
+            for j in tl.static_range(SC):
+                wj = tl.sum(tl.where(c[None, :] == j, w, 0.0), axis=1)
+                po = tl.load(PART_O + (s0 + j) * stride_pos + t[:, None] * stride_pot + h[:, None] * stride_poh
+                             + i[None, :], mask=(rmask & (s0 + j < num_splits))[:, None], other=0.0)
+                y += tl.where((wj > 0)[:, None], po * wj[:, None], 0.0)
+            total = total * alpha + tl.sum(w, axis=1)
+            mx = new
+            s0 += SC
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     y = y / tl.where(total > 0, total, 1.0)[:, None]
     amax = tl.max(tl.abs(y), axis=1)
     inv = tl.where(amax > 0, 1.0 / tl.maximum(amax, 1e-30), 0.0)

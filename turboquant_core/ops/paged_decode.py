@@ -39,7 +39,14 @@ WAVE_FILL_SLACK = 0.05
 # measured shape (loading its keys only needs more registers and is slower); the centred variant keeps two
 # loop-invariant words on the stack (benchmarks/results/2026-11-25-h200-decode-prefetch/).
 DECODE_PREFETCH = True
-ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation and of the merge
+ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation
+# The split merge. Batches that split their KV ranges have few rows (token, head), so the merge runs on few programs
+# and its time is the chain of memory round trips: 16 rows per program (the fewest its rotation product takes) and 8
+# splits per round trip. An unsplit batch has many rows and nothing to merge: 32 rows per program
+# (benchmarks/results/2026-11-27-h100-split-merge/).
+MERGE_ROWS_PER_PROGRAM = 16
+MERGE_SPLITS_PER_LOAD = 8
+UNSPLIT_ROWS_PER_PROGRAM = 32
 
 
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
@@ -191,14 +198,27 @@ def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torc
     return centering.page_cos16, centering.page_sin16, centering.num_pages
 
 
+def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch.Tensor, torch.Tensor],
+                   out: torch.Tensor, lse: torch.Tensor | None, rows: int, num_splits: int, v_rot_scale: float,
+                   num_q_heads: int, head_dim: int, exact_rot: bool) -> None:
+    """The split merge and rotation back of a decode batch's partial outputs (``tq_merge_unrotate_kernel``)."""
+    from ..kernels.paged_decode_jit import tq_merge_unrotate_kernel
+
+    write_lse = lse is not None
+    lse_arg = lse if write_lse else out
+    one = num_splits == 1
+    br = UNSPLIT_ROWS_PER_PROGRAM if one else MERGE_ROWS_PER_PROGRAM
+    tq_merge_unrotate_kernel[(triton.cdiv(rows, br),)](
+        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, num_splits,
+        v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=MERGE_SPLITS_PER_LOAD,
+        ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4)
+
+
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
-    from ..kernels.paged_decode_jit import (
-        tq_merge_unrotate_kernel,
-        tq_paged_decode_kernel,
-        tq_rotate_queries_kernel,
-    )
+    from ..kernels.paged_decode_jit import tq_paged_decode_kernel, tq_rotate_queries_kernel
 
     lay: PagedTQLayout = plan.layout
     d = lay.head_dim
@@ -230,10 +250,4 @@ def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.T
         K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, K_ROW=lay.k_index_bytes, V_ROW=lay.v_index_bytes,
         CENTER=centering is not None, QL=ql, PREFETCH=DECODE_PREFETCH, num_warps=1,
     )
-    write_lse = lse is not None
-    lse_arg = lse if write_lse else out
-    tq_merge_unrotate_kernel[grid_rows](
-        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, s,
-        vt.codec.rot_scale, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot,
-        BR=ROWS_PER_PROGRAM, WRITE_LSE=write_lse, num_warps=4)
+    merge_unrotate(part_o, part_l, vrot, out, lse, rows, s, vt.codec.rot_scale, hq, d, vt.codec.exact_rot)

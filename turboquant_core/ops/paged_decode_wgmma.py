@@ -26,7 +26,14 @@ import triton
 
 from ..kernels.paged_decode_wgmma_jit import WGMMA_KEY_ORDER, WGMMA_VALUE_ORDER
 from .page_layout import PagedTQLayout
-from .paged_decode import LN2, ROWS_PER_PROGRAM, _gluon_runs, center_query_operands, decode_workspace_views
+from .paged_decode import (
+    LN2,
+    ROWS_PER_PROGRAM,
+    _gluon_runs,
+    center_query_operands,
+    decode_workspace_views,
+    merge_unrotate,
+)
 from .rotation_tables import codec_tables, rotation_rows_in_order
 
 WGMMA_HEAD_DIM = 128
@@ -139,7 +146,7 @@ def _ordered_rotation(bits: float, seed: int, device: str, value: bool) -> tuple
 def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor | None, centering=None, center_sums: torch.Tensor | None = None) -> None:
     """The launches for a planned decode batch (``TQAttentionPlan.run`` checked the arguments)."""
-    from ..kernels.paged_decode_jit import tq_merge_unrotate_kernel, tq_rotate_queries_kernel
+    from ..kernels.paged_decode_jit import tq_rotate_queries_kernel
     from ..kernels.paged_decode_wgmma_jit import tq_paged_decode_wgmma_kernel
 
     lay: PagedTQLayout = plan.layout
@@ -171,13 +178,8 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         num_warps=4,
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
-    write_lse = lse is not None
-    lse_arg = lse if write_lse else out
-    tq_merge_unrotate_kernel[grid_rows](
-        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-        vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, s,
-        vt.codec.rot_scale / cb.value_factor, HQ=hq, D=d, DP=d, EXACT=vt.codec.exact_rot,
-        BR=ROWS_PER_PROGRAM, WRITE_LSE=write_lse, num_warps=4)
+    merge_unrotate(part_o, part_l, vrot, out, lse, rows, s, vt.codec.rot_scale / cb.value_factor, hq, d,
+                   vt.codec.exact_rot)
 
 
 def _e4m3(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
