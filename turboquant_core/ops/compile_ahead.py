@@ -469,9 +469,9 @@ def _worker_main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            variant = KernelVariant.from_json(line)
-            kernel = compile_variant(variant)
-            out = {"ok": True, "seconds": time.perf_counter() - t0, "key": key_digests(*_compile_inputs(variant))}
+            src, target, options = _compile_inputs(KernelVariant.from_json(line))  # built once: compile, then key
+            kernel = triton.compiler.compile(src, target=target, options=options)
+            out = {"ok": True, "seconds": time.perf_counter() - t0, "key": key_digests(src, target, options)}
         except Exception as e:  # reported to the parent, whose real launch compiles (and raises) instead
             out = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         else:
