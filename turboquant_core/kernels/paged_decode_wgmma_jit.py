@@ -370,118 +370,123 @@ def tq_paged_decode_wgmma_kernel(
     e_v = -64.0  # running power of two >= every value scale seen (P^T's e4m3 scale follows it)
     l_acc = gl.zeros([64, 8], gl.float32, layout=mma)
     acc = gl.zeros([128, 8], gl.float32, layout=mma)
-    for start in range(lo, hi, 64):
-        stage = ((start - lo) // 64) % 2
+    # Tiles in blocks of 1024 tokens: the centred variant computes a block's centre terms before its tiles, outside
+    # the tile loop, whose registers it would otherwise crowd (benchmarks/results/INDEX.md, 2026-11-27 rows).
+    for blk in range(lo // 1024 * 1024, hi, 1024):
+        first = gl.maximum(lo, blk)
         if CENTER:
-            if (start == lo) | (start % 1024 == 0):
-                # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
-                gpage = gl.minimum((start // 1024 * 1024 + grow * 16) // PAGE, num_pages - 1)
-                gptr = gpage[:, None] * 128 + gk[None, :]
-                g = gl.zeros([64, 8], gl.float32, layout=mma16)
-                # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
-                # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
-                # can hold. They use the free stage's two pieces, whose copies are issued after this block.
-                ga_cos = stage_buf.index(2 - 2 * stage)
-                ga_sin = stage_buf.index(3 - 2 * stage)
-                for kc in range(4):
-                    gl.thread_barrier()  # the last chunk's products have read the pieces
-                    ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
-                    gl.thread_barrier()  # one table's chunk in registers at a time
-                    ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
-                    g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
-                gl.thread_barrier()  # the previous block's terms are read
-                gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
+            stage = ((first - lo) // 64) % 2
+            # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
+            gpage = gl.minimum((blk + grow * 16) // PAGE, num_pages - 1)
+            gptr = gpage[:, None] * 128 + gk[None, :]
+            g = gl.zeros([64, 8], gl.float32, layout=mma16)
+            # The table chunks go through shared memory in 16-byte loads, one table at a time: loaded as A
+            # operands in registers they would need an address per 4 bytes, more than the tile loop's 64 registers
+            # can hold. They use the free stage's two pieces, whose copies are issued after this block.
+            ga_cos = stage_buf.index(2 - 2 * stage)
+            ga_sin = stage_buf.index(3 - 2 * stage)
+            for kc in range(4):
+                gl.thread_barrier()  # the last chunk's products have read the pieces
+                ga_cos.store(gl.load(PAGE_COS16 + gptr + kc * 32))
+                gl.thread_barrier()  # one table's chunk in registers at a time
+                ga_sin.store(gl.load(PAGE_SIN16 + gptr + kc * 32))
+                fence_async_shared()
                 gl.thread_barrier()
-        _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 1 - stage,
-                    stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-        async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
-        gl.thread_barrier()
-        kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
-        w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
-        w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-        w1 = gl.convert_layout(w1, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-        w2 = gl.convert_layout(w2, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
-        # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
-        # P0 | P1 << 8 | P2 << 16
-        s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
-        s1 = ((w0 >> 3) & 0x07070707) | ((w2 >> 1) & 0x70707070)
-        s2 = ((w1 >> 1) & 0x07070707) | ((w2 << 2) & 0x70707070)
-        s3 = (((w0 >> 6) & 0x03030303) | ((w1 << 2) & 0x04040404) | ((w1 >> 3) & 0x10101010)
-              | ((w2 << 5) & 0x60606060))
-        sel = gl.join(gl.join(_halves(s0), _halves(s1)), gl.join(_halves(s2), _halves(s3)))  # [64, 2h, 4tid, 2, 2]
-        sel = gl.reshape(gl.permute(sel, [0, 4, 3, 1, 2]), [64, 4, 2, 4])
-        kt = gl.reshape(_lookup(sel, kt0, kt1, k5, [64, 4, 2, 4, 4]), [64, 128])
-        kt = gl.convert_layout(kt, a_op, assert_trivial=True)
-        s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
+                g = warpgroup_mma(ga_cos, cwz_smem.index(kc).permute((1, 0)), g)
+                g = warpgroup_mma(ga_sin, cwz_smem.index(4 + kc).permute((1, 0)), g)
+            gl.thread_barrier()  # the previous block's terms are read
+            gsm2.store(g * gl.convert_layout(cscale, gl.SliceLayout(0, mma16))[None, :])
+            gl.thread_barrier()
+        for start in range(first, gl.minimum(hi, blk + 1024), 64):
+            stage = ((start - lo) // 64) % 2
+            _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st,
+                        1 - stage, stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+            async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
+            gl.thread_barrier()
+            kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
+            w0, w1, w2, _w3 = _split4(gl.permute(gl.reshape(kx, [64, 2, 2, 4]), [0, 3, 1, 2]))
+            w0 = gl.convert_layout(w0, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+            w1 = gl.convert_layout(w1, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+            w2 = gl.convert_layout(w2, kw_l, assert_trivial=True).to(gl.uint32, bitcast=True)
+            # planar8 planes P0, P1, P2 (bytes = groups 4 tid .. 4 tid + 3): field f of a group at bits 3f .. 3f + 2 of
+            # P0 | P1 << 8 | P2 << 16
+            s0 = (w0 & 0x07070707) | (w1 & 0x70707070)
+            s1 = ((w0 >> 3) & 0x07070707) | ((w2 >> 1) & 0x70707070)
+            s2 = ((w1 >> 1) & 0x07070707) | ((w2 << 2) & 0x70707070)
+            s3 = (((w0 >> 6) & 0x03030303) | ((w1 << 2) & 0x04040404) | ((w1 >> 3) & 0x10101010)
+                  | ((w2 << 5) & 0x60606060))
+            sel = gl.join(gl.join(_halves(s0), _halves(s1)), gl.join(_halves(s2), _halves(s3)))  # [64, 2h, 4tid, 2, 2]
+            sel = gl.reshape(gl.permute(sel, [0, 4, 3, 1, 2]), [64, 4, 2, 4])
+            kt = gl.reshape(_lookup(sel, kt0, kt1, k5, [64, 4, 2, 4, 4]), [64, 128])
+            kt = gl.convert_layout(kt, a_op, assert_trivial=True)
+            s = warpgroup_mma(kt, q_smem.permute((1, 0)), gl.zeros([64, 8], gl.float32, layout=mma))
 
-        tvalid = start + ts < hi
-        sx = s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_staged_scale_layout())
-        ksc, vsc = gl.split(gl.permute(sx, [1, 0]))
-        ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
-        vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
-        if CENTER:
-            gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
-            gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
-            s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
-        else:
-            s = s * ksc[:, None] * q_unscale[None, :]
-        s = gl.where(tvalid[:, None], s, float("-inf"))
-        mx_smem.index(stage).store(gl.max(gl.reshape(s, [4, 16, 8]), axis=1))
-        gl.thread_barrier()
-        m_tile = gl.convert_layout(gl.max(mx_smem.index(stage).load(_warp_max_layout()), axis=0), col_l,
-                                   assert_trivial=True)
-        m_new = gl.maximum(m_i, gl.ceil(m_tile))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_acc = l_acc * alpha[None, :] + p
-        # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at most
-        # 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator follows e_v
-        # as it follows the softmax maximum.
-        _ks, vs_all = gl.split(gl.permute(
-            s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_all_scales_layout()), [1, 0]))
-        vs_all = gl.convert_layout(vs_all, all_tok.type.layout, assert_trivial=True).to(gl.float32)
-        vmax = gl.max(gl.where(start + all_tok < hi, vs_all, 0.0), axis=0)
-        e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
-        raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
-        if raised:
-            acc = acc * (alpha * gl.exp2(e_v - e_new))[None, :]
-        m_i = m_new
-        e_v = e_new
-        # P^T [64 k, 8] in V's token order: k = kb*32 + h*16 + tid*4 + j <- token tid*16 + kb*8 + h*4 + j.
-        pv = (p * (vsc * gl.exp2(P_EXP - e_v))[:, None]).to(gl.float8e4nv)
-        pv = gl.reshape(gl.permute(gl.reshape(pv, [4, 2, 2, 4, 8]), [1, 2, 0, 3, 4]), [64, 8])
-        p_smem.store(gl.permute(pv, [1, 0]))
-        fence_async_shared()
-        gl.thread_barrier()
+            tvalid = start + ts < hi
+            sx = s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM).load(_staged_scale_layout())
+            ksc, vsc = gl.split(gl.permute(sx, [1, 0]))
+            ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
+            vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
+            if CENTER:
+                gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
+                gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
+                s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
+            else:
+                s = s * ksc[:, None] * q_unscale[None, :]
+            s = gl.where(tvalid[:, None], s, float("-inf"))
+            mx_smem.index(stage).store(gl.max(gl.reshape(s, [4, 16, 8]), axis=1))
+            gl.thread_barrier()
+            m_tile = gl.convert_layout(gl.max(mx_smem.index(stage).load(_warp_max_layout()), axis=0), col_l,
+                                       assert_trivial=True)
+            m_new = gl.maximum(m_i, gl.ceil(m_tile))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_acc = l_acc * alpha[None, :] + p
+            # p * v_scale goes to e4m3 at 2^(P_EXP - e_v), e_v a whole power of two >= every value scale so far: at
+            # most 2^P_EXP (< 448), and out of e4m3's subnormals for the probabilities that count; the accumulator
+            # follows e_v as it follows the softmax maximum.
+            scales = s_st.index(stage)._reinterpret(gl.float16, [2, 64], SCALE_READ_SMEM)
+            _ks, vs_all = gl.split(gl.permute(scales.load(_all_scales_layout()), [1, 0]))
+            vs_all = gl.convert_layout(vs_all, all_tok.type.layout, assert_trivial=True).to(gl.float32)
+            vmax = gl.max(gl.where(start + all_tok < hi, vs_all, 0.0), axis=0)
+            e_new = gl.maximum(e_v, gl.where(vmax > 0, gl.ceil(gl.log2(gl.where(vmax > 0, vmax, 1.0))), e_v))
+            raised = (gl.max((m_new > m_i).to(gl.int32), axis=0) > 0) | (e_new > e_v)
+            if raised:
+                acc = acc * (alpha * gl.exp2(e_v - e_new))[None, :]
+            m_i = m_new
+            e_v = e_new
+            # P^T [64 k, 8] in V's token order: k = kb*32 + h*16 + tid*4 + j <- token tid*16 + kb*8 + h*4 + j.
+            pv = (p * (vsc * gl.exp2(P_EXP - e_v))[:, None]).to(gl.float8e4nv)
+            pv = gl.reshape(gl.permute(gl.reshape(pv, [4, 2, 2, 4, 8]), [1, 2, 0, 3, 4]), [64, 8])
+            p_smem.store(gl.permute(pv, [1, 0]))
+            fence_async_shared()
+            gl.thread_barrier()
 
-        # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ...: token tid*16 + kb*8 + h*4 + u
-        vx = stage_buf.index(2 * stage + 1)._reinterpret(gl.int16, [64, 32], VALUE_READ_SMEM)
-        vx = gl.reshape(vx.load(_staged_value_layout()), [4, 2, 2, 4, 32])
-        u0, u1, u2, u3 = _split4(gl.reshape(gl.permute(vx, [4, 1, 2, 0, 3]), [32, 2, 2, 4, 2, 2]))
-        u0 = gl.convert_layout(u0, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u1 = gl.convert_layout(u1, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u2 = gl.convert_layout(u2, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-        u3 = gl.convert_layout(u3, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
-        ua = u0 | (u1 << 16)
-        ub = u2 | (u3 << 16)
-        y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
-                                                                  is_pure=True, pack=1))
-        y1, sa1, sb1 = _value_selectors(gl.inline_asm_elementwise(PRMT_7531, "=r,r,r", [ua, ub], dtype=gl.uint32,
-                                                                  is_pure=True, pack=1))
-        ysel = gl.join(y0, y1)  # [32 G, 2 kb, 2 h, 4 tid, 2 s]
-        ysel = gl.join(ysel, ysel >> 16)  # [.., 2 s, 2 e]
-        vsel = gl.reshape(gl.permute(gl.reshape(ysel, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
-        vsgn = gl.join(gl.join(sa0, sa1), gl.join(sb0, sb1))  # [.., 2 s, 2 e]
-        vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]), [128, 2, 2, 4])
-        vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
-        vt = gl.convert_layout(vt, a_op, assert_trivial=True)
-        acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
-        gl.thread_barrier()  # P^T is rewritten by the next tile
-
+            # values: V^T [128, 64 k], thread tid's 16 tokens start + tid * 16 ...: token tid*16 + kb*8 + h*4 + u
+            vx = stage_buf.index(2 * stage + 1)._reinterpret(gl.int16, [64, 32], VALUE_READ_SMEM)
+            vx = gl.reshape(vx.load(_staged_value_layout()), [4, 2, 2, 4, 32])
+            u0, u1, u2, u3 = _split4(gl.reshape(gl.permute(vx, [4, 1, 2, 0, 3]), [32, 2, 2, 4, 2, 2]))
+            u0 = gl.convert_layout(u0, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+            u1 = gl.convert_layout(u1, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+            u2 = gl.convert_layout(u2, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+            u3 = gl.convert_layout(u3, vh_l, assert_trivial=True).to(gl.uint16, bitcast=True).to(gl.uint32)
+            ua = u0 | (u1 << 16)
+            ub = u2 | (u3 << 16)
+            y0, sa0, sb0 = _value_selectors(gl.inline_asm_elementwise(PRMT_6420, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                      is_pure=True, pack=1))
+            y1, sa1, sb1 = _value_selectors(gl.inline_asm_elementwise(PRMT_7531, "=r,r,r", [ua, ub], dtype=gl.uint32,
+                                                                      is_pure=True, pack=1))
+            ysel = gl.join(y0, y1)  # [32 G, 2 kb, 2 h, 4 tid, 2 s]
+            ysel = gl.join(ysel, ysel >> 16)  # [.., 2 s, 2 e]
+            vsel = gl.reshape(gl.permute(gl.reshape(ysel, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]),
+                              [128, 2, 2, 4])
+            vsgn = gl.join(gl.join(sa0, sa1), gl.join(sb0, sb1))  # [.., 2 s, 2 e]
+            vsgn = gl.reshape(gl.permute(gl.reshape(vsgn, [4, 8, 2, 2, 4, 2, 2]), [5, 0, 6, 1, 2, 3, 4]),
+                              [128, 2, 2, 4])
+            vt = gl.reshape(_lookup_sign(vsel, vsgn, vt0, vt1, v5, [128, 2, 2, 4, 4]), [128, 64])
+            vt = gl.convert_layout(vt, a_op, assert_trivial=True)
+            acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
+            gl.thread_barrier()  # P^T is rewritten by the next tile
     l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     o = acc * (gl.exp2(e_v - P_EXP) / l_safe)[None, :]
