@@ -107,17 +107,18 @@ def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp
     res = json.loads(p.stdout.strip().splitlines()[-1])
     first, second = res["first"], res["second"]
     # decode at 4 bits, head_dim 64: the store, the query rotation, the register-tile kernel (split and unsplit
-    # launches share it) and the merge (split and unsplit variants)
+    # launches share it) and the merge (split and unsplit variants, and the first level of a merge of many splits)
     assert res["names"] == sorted(["tq_paged_store_kernel", "tq_rotate_queries_kernel", "tq_paged_decode_kernel",
-                                   "tq_merge_unrotate_kernel", "tq_merge_unrotate_kernel"])
-    assert first["variants"] == 5 and first["cached"] == 0
-    assert first["compiled"] == 5 and first["failed"] == [] and first["workers"] == 2
-    assert first["launchers"] == 5 and first["launcher_errors"] == []
+                                   "tq_merge_unrotate_kernel", "tq_merge_unrotate_kernel",
+                                   "tq_merge_split_groups_kernel"])
+    assert first["variants"] == 6 and first["cached"] == 0
+    assert first["compiled"] == 6 and first["failed"] == [] and first["workers"] == 2
+    assert first["launchers"] == 6 and first["launcher_errors"] == []
     assert res["files"] > 0
     assert all(res["cached"])
     # A second start finds every variant cached and starts no worker.
-    assert second["variants"] == 5 and second["cached"] == 5 and second["compiled"] == 0 and second["workers"] == 0
-    assert res["loaded"] == 5 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
+    assert second["variants"] == 6 and second["cached"] == 6 and second["compiled"] == 0 and second["workers"] == 0
+    assert res["loaded"] == 6 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
     assert res["new_files"] == [], "Triton's compile path or launcher build did not find what the workers wrote"
 
 
@@ -195,7 +196,7 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
                        timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert res["ahead"] == 5
+    assert res["ahead"] == 6
     compiled, why = res["env"]
     assert compiled == ["tq_merge_unrotate_kernel"]
     assert why == ("tq_merge_unrotate_kernel: Triton's cache key differs from the variant compiled ahead in "
@@ -211,7 +212,7 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     assert why == (f"tq_paged_store_kernel: same cache key and cache directory ({res['dir_ahead']}), yet not found "
                    "there"), why
     # the workers' keys are this process's, part by part; one that was not is named with the part it differs in
-    assert res["worker_keys"] == [True] * 5, res["worker_keys"]
+    assert res["worker_keys"] == [True] * 6, res["worker_keys"]
     theirs, here, (compiled, why) = res["worker"]
     assert compiled == ["tq_merge_unrotate_kernel"]
     assert why == ("tq_merge_unrotate_kernel: the worker that compiled it computed another cache key "

@@ -454,6 +454,55 @@ def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_
     tl.store(CSCALE + tok * stride_st + head, row_scale, mask=rmask)
 
 
+@triton.jit
+def _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt, s0, num_splits,
+                       t, h, rmask, mx, y, total, DP: tl.constexpr, SC: tl.constexpr):
+    """Splits s0 .. s0 + SC - 1 (those below num_splits) merged into rows (t, h)'s running maximum, weight sum and
+    weighted output: their log2-sum-exps in one load, their partial outputs in SC loads that wait for nothing
+    (unrolled). A split whose log2-sum-exp is -inf adds nothing, whatever its workspace holds."""
+    i = tl.arange(0, DP)
+    c = tl.arange(0, SC)
+    s = s0 + c
+    ls = tl.load(PART_L + s[None, :] * stride_pls + t[:, None] * stride_plt + h[:, None],
+                 mask=rmask[:, None] & (s < num_splits)[None, :], other=float("-inf"))  # [BR, SC]
+    new = tl.maximum(mx, tl.max(ls, axis=1))
+    new_safe = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.exp2(mx - new_safe)  # 0 while nothing was merged (mx = -inf)
+    w = tl.exp2(ls - new_safe[:, None])  # 0 for empty splits
+    y = y * alpha[:, None]
+    for j in tl.static_range(SC):
+        wj = tl.sum(tl.where(c[None, :] == j, w, 0.0), axis=1)
+        po = tl.load(PART_O + (s0 + j) * stride_pos + t[:, None] * stride_pot + h[:, None] * stride_poh + i[None, :],
+                     mask=(rmask & (s0 + j < num_splits))[:, None], other=0.0)
+        y += tl.where((wj > 0)[:, None], po * wj[:, None], 0.0)
+    return new, y, total * alpha + tl.sum(w, axis=1)
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_pos", "stride_pot", "stride_pls"])
+def tq_merge_split_groups_kernel(
+    PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt, num_rows, num_splits,
+    HQ: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr, SC: tl.constexpr,
+):
+    """The first level of a merge of many splits, grid (row blocks, split groups): splits g SC .. g SC + SC - 1 of
+    rows (token, head) merged into split g SC's own workspace (normalized output, log2-sum-exp), which
+    ``tq_merge_unrotate_kernel`` then reads at SC times the split stride. A program reads its splits before it
+    writes the first of them, and no other program reads them."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < num_rows
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    s0 = tl.program_id(1) * SC
+    mx, y, total = _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
+                                      s0, num_splits, t, h, rmask, tl.full((BR,), float("-inf"), tl.float32),
+                                      tl.zeros((BR, DP), tl.float32), tl.zeros((BR,), tl.float32), DP, SC)
+    safe = tl.where(total > 0, total, 1.0)
+    lse2 = tl.where(total > 0, tl.where(mx == float("-inf"), 0.0, mx) + tl.log2(safe), float("-inf"))
+    i = tl.arange(0, DP)
+    tl.store(PART_O + s0 * stride_pos + t[:, None] * stride_pot + h[:, None] * stride_poh + i[None, :],
+             y / safe[:, None], mask=rmask[:, None])
+    tl.store(PART_L + s0 * stride_pls + t * stride_plt + h, lse2, mask=rmask)
+
+
 @triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_pos", "stride_pot", "stride_pls", "stride_lh"])
 def tq_merge_unrotate_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
@@ -480,27 +529,13 @@ def tq_merge_unrotate_kernel(
         y = tl.where((mx > float("-inf"))[:, None], po, 0.0)
         total = tl.where(mx > float("-inf"), 1.0, 0.0)
     else:
-        c = tl.arange(0, SC)
         mx = tl.full((BR,), float("-inf"), tl.float32)
         y = tl.zeros((BR, DP), tl.float32)
         total = tl.zeros((BR,), tl.float32)
         s0 = 0
         while s0 < num_splits:  # (while: Triton's interpreter takes no runtime bound in range())
-            s = s0 + c
-            ls = tl.load(PART_L + s[None, :] * stride_pls + t[:, None] * stride_plt + h[:, None],
-                         mask=rmask[:, None] & (s < num_splits)[None, :], other=float("-inf"))  # [BR, SC]
-            new = tl.maximum(mx, tl.max(ls, axis=1))
-            new_safe = tl.where(new == float("-inf"), 0.0, new)
-            alpha = tl.exp2(mx - new_safe)  # 0 while nothing was merged (mx = -inf)
-            w = tl.exp2(ls - new_safe[:, None])  # 0 for empty splits
-            y = y * alpha[:, None]
-            for j in tl.static_range(SC):
-                wj = tl.sum(tl.where(c[None, :] == j, w, 0.0), axis=1)
-                po = tl.load(PART_O + (s0 + j) * stride_pos + t[:, None] * stride_pot + h[:, None] * stride_poh
-                             + i[None, :], mask=(rmask & (s0 + j < num_splits))[:, None], other=0.0)
-                y += tl.where((wj > 0)[:, None], po * wj[:, None], 0.0)
-            total = total * alpha + tl.sum(w, axis=1)
-            mx = new
+            mx, y, total = _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls,
+                                              stride_plt, s0, num_splits, t, h, rmask, mx, y, total, DP, SC)
             s0 += SC
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     y = y / tl.where(total > 0, total, 1.0)[:, None]

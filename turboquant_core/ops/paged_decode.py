@@ -47,6 +47,9 @@ ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation
 MERGE_ROWS_PER_PROGRAM = 16
 MERGE_SPLITS_PER_LOAD = 8
 UNSPLIT_ROWS_PER_PROGRAM = 32
+# More than this many loads' worth of splits are merged in two levels: groups of MERGE_SPLITS_PER_LOAD side by side,
+# then the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
+MERGE_GROUPS_FROM = 2
 
 
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
@@ -202,14 +205,21 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
                    out: torch.Tensor, lse: torch.Tensor | None, rows: int, num_splits: int, v_rot_scale: float,
                    num_q_heads: int, head_dim: int, exact_rot: bool) -> None:
     """The split merge and rotation back of a decode batch's partial outputs (``tq_merge_unrotate_kernel``)."""
-    from ..kernels.paged_decode_jit import tq_merge_unrotate_kernel
+    from ..kernels.paged_decode_jit import tq_merge_split_groups_kernel, tq_merge_unrotate_kernel
 
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
+    sc = MERGE_SPLITS_PER_LOAD
+    stride_pos, stride_pls = part_o.stride(0), part_l.stride(0)
+    if num_splits > MERGE_GROUPS_FROM * sc:
+        tq_merge_split_groups_kernel[(triton.cdiv(rows, MERGE_ROWS_PER_PROGRAM), triton.cdiv(num_splits, sc))](
+            part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1), rows,
+            num_splits, HQ=num_q_heads, DP=head_dim, BR=MERGE_ROWS_PER_PROGRAM, SC=sc, num_warps=4)
+        num_splits, stride_pos, stride_pls = triton.cdiv(num_splits, sc), stride_pos * sc, stride_pls * sc
     one = num_splits == 1
     br = UNSPLIT_ROWS_PER_PROGRAM if one else MERGE_ROWS_PER_PROGRAM
     tq_merge_unrotate_kernel[(triton.cdiv(rows, br),)](
-        part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+        part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, num_splits,
         v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=MERGE_SPLITS_PER_LOAD,
         ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4)
