@@ -219,6 +219,69 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
                    f"(ffffffffffff -> {here['hash']}), apart in source 000000000000 -> {here['source']}"), why
 
 
+STALE_PTXAS_SCRIPT = r'''
+import json, os
+
+import torch
+from triton.runtime.driver import driver
+
+from tests.ops.sm90_probe import Sm90Driver
+
+driver.set_active(Sm90Driver())
+
+from triton.backends.nvidia.compiler import get_ptxas_version
+from turboquant_core.ops import paged_decode
+from turboquant_core.ops.compile_ahead import (_compile_inputs, _jit_function, compile_ahead, counting_compiles,
+                                               key_digests)
+from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
+
+paged_decode._gluon_runs = lambda device: True
+layout = paged_layout("turboquant_4bit_nc", head_dim=64, block_size=16)
+cache = allocate_kv_cache(8, 3, layout)
+keyed = get_ptxas_version(90)  # this process's keys now carry Triton's bundled ptxas
+os.environ["TRITON_PTXAS_PATH"] = os.environ["OTHER_PTXAS"]  # as torch inductor sets it on its first compile
+ahead = compile_ahead(lambda: warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, paths=("decode",)), workers=2)
+with counting_compiles() as count:
+    for v in ahead.recorded:
+        _jit_function(v).preload(v.specialization)
+print(json.dumps({"compiled_ahead": ahead.compiled, "ptxas": ahead.ptxas,
+                  "keyed_unchanged": get_ptxas_version(90) == keyed,
+                  "worker_keys": [ahead.worker_keys.get(i) == key_digests(*_compile_inputs(v))
+                                  for i, v in enumerate(ahead.recorded)],
+                  "loaded": count.loaded, "compiled": count.compiled}))
+'''
+
+
+@pytest.mark.slow
+def test_workers_key_by_the_ptxas_this_process_keys_by(tmp_path):
+    """An engine process keys its variants by the ptxas it first looked up (Triton's bundled one); torch inductor
+    then points TRITON_PTXAS_PATH at another ptxas. The workers, which inherit that variable, still compute this
+    process's keys, so each variant they compiled is loaded, not compiled again."""
+    import shutil
+
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    others = [p for p in (shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas") if p and Path(p).is_file()]
+    version = lambda p: subprocess.run([str(p), "--version"], capture_output=True, text=True).stdout  # noqa: E731
+    other = next((p for p in others if version(p) != version(bundled)), None)
+    if other is None:
+        pytest.skip("no ptxas of another version than Triton's own on this machine")
+    libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               TRITON_LIBCUDA_PATH=libcuda, OTHER_PTXAS=other,
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
+    env.pop("TRITON_PTXAS_PATH", None)
+    p = subprocess.run([sys.executable, "-c", STALE_PTXAS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["compiled_ahead"] == 6 and res["keyed_unchanged"]
+    assert res["ptxas"] == {"TRITON_PTXAS_PATH": str(bundled)}
+    assert res["worker_keys"] == [True] * 6, res["worker_keys"]
+    assert res["loaded"] == 6 and res["compiled"] == [], res["compiled"]
+
+
 def test_variants_compile_outside_the_directory_torch_inductor_points_triton_to(tmp_path, monkeypatch):
     """Inductor points TRITON_CACHE_DIR into its own cache, which its saves replace: the variants go to Triton's
     default directory then, and to TRITON_CACHE_DIR wherever else it points."""

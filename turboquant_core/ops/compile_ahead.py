@@ -86,6 +86,7 @@ class CompileAheadReport:
     env_vars: dict[str, str] = field(default_factory=dict)
     # recorded variant index -> its cache-key parts as the worker that compiled it computed them (``key_digests``)
     worker_keys: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)
+    ptxas: dict[str, str] = field(default_factory=dict)  # the ptxas setting the workers compiled under
 
     def summary(self) -> dict:
         """The counts, times, cache directory and environment, JSON-ready (without the recorded variants)."""
@@ -337,6 +338,32 @@ class WorkerOutcome:
     launchers: int
     launcher_errors: list[str]
     keys: dict[int, dict[str, str]] = field(default_factory=dict)  # variant index -> the worker's key digests
+    ptxas: dict[str, str] = field(default_factory=dict)  # the ptxas setting the workers ran with (``workers_ptxas``)
+
+
+def workers_ptxas(target: GPUTarget) -> dict[str, str]:
+    """The ptxas setting (TRITON_PTXAS_PATH or TRITON_PTXAS_BLACKWELL_PATH) under which a worker computes this
+    process's cache keys for ``target``.
+
+    Why: the backend part of Triton's key is the ptxas version a process first looked up (``get_ptxas_version`` keeps
+    it for the process's life), while a compile runs the ptxas its setting names at the time. Torch inductor sets
+    TRITON_PTXAS_PATH to its own ptxas when it first compiles in a process, so an engine that looked up Triton's
+    bundled ptxas before keeps keying by it, and a worker started afterwards inherits the variable and keys by the
+    other: every variant it compiled is then missed and compiled again. The worker gets whichever of the two
+    (the setting now, Triton's own) reports the version in this process's keys; nothing where neither does."""
+    if target.backend != "cuda" or not isinstance(target.arch, int) or knobs.nvidia.mock_ptx_version is not None:
+        return {}
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    setting = type(knobs.nvidia).__dict__["ptxas_blackwell" if target.arch >= 100 else "ptxas"]
+    keyed = get_ptxas_version(target.arch)
+    for path in dict.fromkeys((os.environ.get(setting.key) or setting.default_path, setting.default_path)):
+        try:
+            if subprocess.check_output([path, "--version"]).decode("utf-8") == keyed:
+                return {setting.key: path}
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    return {}
 
 
 def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: float = 300.0) -> WorkerOutcome:
@@ -354,6 +381,8 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
     env["TRITON_CACHE_DIR"] = knobs.cache.dir  # this process's cache, wherever its setting came from
     # The modules this process imported, from the same places (a function's source is part of its cache key).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    ptxas = workers_ptxas(GPUTarget(*variants[0].target)) if variants else {}
+    env.update(ptxas)
     deadline = time.monotonic() + timeout_s
     procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
@@ -402,7 +431,7 @@ def compile_in_workers(variants: list[KernelVariant], workers: int, timeout_s: f
         failed = [f"{v.name}: {outcome[i]}" if i in outcome else f"{v.name}: not compiled within {timeout_s:.0f} s"
                   for i, v in enumerate(variants) if outcome.get(i, "") is not None]
         return WorkerOutcome(failed, sum(why is None for why in launchers.values()),
-                             [f"{variants[i].name}: {why}" for i, why in launchers.items() if why], dict(keys))
+                             [f"{variants[i].name}: {why}" for i, why in launchers.items() if why], dict(keys), ptxas)
 
 
 def _inductor_cache_dir() -> str | None:
@@ -417,8 +446,7 @@ def kernel_cache_dir() -> str:
     """Where ``compile_ahead`` compiles the variants, and the warm-up loads them from: Triton's cache directory
     (TRITON_CACHE_DIR, else ~/.triton/cache), except where torch inductor has pointed TRITON_CACHE_DIR into its own
     cache, as it does when it first loads a kernel of its own; in that case Triton's default directory, which
-    inductor's saves do not touch and later engines find. (The first engine's warm-up misses the workers' variants
-    in either directory: ``explain_recompile`` compares the workers' keys to find out why.)"""
+    inductor's saves do not touch and later engines find."""
     current = os.path.abspath(knobs.cache.dir)
     inductor = _inductor_cache_dir()
     if inductor and os.path.commonpath([current, os.path.abspath(inductor)]) == os.path.abspath(inductor):
@@ -453,6 +481,7 @@ def _compile_ahead(launch: Callable[[], object], workers: int) -> CompileAheadRe
         done = compile_in_workers(todo, report.workers)
         report.failed, report.launchers, report.launcher_errors = done.failed, done.launchers, done.launcher_errors
         report.worker_keys = {variants.index(todo[i]): k for i, k in done.keys.items()}
+        report.ptxas = done.ptxas
         report.compiled = len(todo) - len(report.failed)
         report.compile_s = time.perf_counter() - t0
     return report
@@ -490,4 +519,4 @@ if __name__ == "__main__":
 __all__ = ["MAX_DEFAULT_WORKERS", "CompileAheadReport", "CompileCount", "KernelVariant", "WorkerOutcome",
            "build_launcher", "compile_ahead", "compile_in_workers", "compile_variant", "counting_compiles",
            "default_workers", "explain_recompile", "is_cached", "kernel_cache_dir", "loading_from",
-           "recording_variants"]
+           "recording_variants", "workers_ptxas"]
