@@ -44,6 +44,9 @@ from turboquant_core.ops import paged_decode
 from turboquant_core.ops.paged import TQAttentionPlan, allocate_kv_cache, paged_layout, tq_store, warmup_kernels
 
 paged_decode._gluon_runs = lambda device: True  # plan as on a GPU: decode batches take the register-tile kernels
+if "wgmma" in sys.argv[7:]:  # as on an H100 / H200: decode batches the wgmma kernel serves take it
+    from turboquant_core.ops import paged_decode_wgmma
+    paged_decode_wgmma._sm90 = lambda device: True
 
 fmt, hq, hkv, d, window = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 window = None if window == "none" else int(window)
@@ -229,6 +232,18 @@ def test_warmup_covers_every_centred_serving_variant(case):
     _check_coverage(_probe("keys", case, "center"),
                     SERVING_KERNELS | DECODE_KERNELS | {"tq_key_center_sums_kernel", "tq_center_queries_kernel",
                                                         GATHER_KERNEL})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("center", [False, True], ids=["plain", "centred"])
+def test_warmup_covers_every_wgmma_serving_variant(center):
+    """On an H100 / H200 k3v4 decode at head_dim 128 takes the e4m3 warpgroup-MMA kernel: batches of every size,
+    split count (16 at a long context) and table slice run the variants the warm-up compiled (its block table of one
+    column and split counts of 1, 2 and 17 once made variants that no serving batch reached)."""
+    wgmma = {"tq_rotate_queries_kernel", "tq_paged_decode_wgmma_kernel", "tq_merge_unrotate_kernel"}
+    centred = {"tq_key_center_sums_kernel", "tq_center_queries_kernel"} if center else set()
+    _check_coverage(_probe("keys", CASES[0], "wgmma", *(("center",) if center else ())),
+                    SERVING_KERNELS | wgmma | centred | {GATHER_KERNEL})
 
 
 @pytest.mark.slow

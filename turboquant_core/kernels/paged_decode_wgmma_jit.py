@@ -241,7 +241,11 @@ def _halves(x):
     return gl.permute(gl.join(x, x >> 16), [0, 2, 1])
 
 
-@gluon.jit
+# Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size and split
+# count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
+# stride, the request metadata slices, the split count and the partial outputs' strides.
+@gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
+                              "num_splits"])
 def tq_paged_decode_wgmma_kernel(
     QROT, stride_qt, stride_qh,
     CACHE, stride_cb, stride_ch,
