@@ -195,38 +195,6 @@ def test_split_merge_matches_its_reference(d, hq, tokens, num_splits, write_lse,
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hq,hkv,seq_lens", [(32, 8, (700, 1, 16, 17)), (9, 3, (64, 129)), (64, 8, (300,))])
-def test_center_logits_match_their_reference(hq, hkv, seq_lens, device):
-    """``center_logits`` (on the CPU, Triton's interpreter runs its kernel): each request's query logits for every
-    page of its sequence against float64 torch from the same fp16 operands; pages past the table's end reuse its last
-    row (700 tokens = 44 pages of a 32-row table), head blocks are masked past the heads (9 of 16) or split (64 in
-    two), and nothing is written past a request's pages."""
-    from turboquant_core.ops.key_centering import key_centering_tables
-    from turboquant_core.ops.page_layout import paged_layout
-    from turboquant_core.ops.paged_attention import TQAttentionPlan
-
-    g = torch.Generator().manual_seed(hq)
-    d, page = 128, 16
-    centering = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, page, 512,
-                                     device=device)
-    reqs = len(seq_lens)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    qsl = torch.arange(reqs + 1, dtype=torch.int32)
-    plan = TQAttentionPlan(paged_layout("turboquant_k3v4_nc", d, page), hq, hkv, device, workspace_bytes=1 << 20)
-    plan.plan(torch.zeros(reqs, 64, dtype=torch.int32, device=device), qsl.to(device), lens.to(device),
-              num_tokens=reqs, max_query_len=1, max_seq_len=max(seq_lens))
-    cwz = (torch.randn(reqs, hq, 2, d, generator=g) * 0.3).to(torch.float16)
-    cscale = torch.rand(reqs, hq, generator=g) + 0.5
-    pages = -(-max(seq_lens) // page) + 3
-    logits = torch.full((reqs, pages, hq), float("nan"), device=device)
-    paged_decode.center_logits(plan, cwz.to(device), cscale.to(device), centering, logits)
-    want = paged_decode.center_logits_ref(cwz, cscale, qsl, lens, centering, page, pages)
-    valid = (torch.arange(pages)[None, :] < -(-lens[:, None] // page))[..., None].expand(-1, -1, hq)
-    got = logits.cpu().double()
-    assert got[~valid].isnan().all(), "pages past a request's sequence were written"
-    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,d,hq,hkv", [
     ("turboquant_k3v4_nc", 128, 32, 8),  # Qwen3-8B heads

@@ -454,33 +454,6 @@ def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_
     tl.store(CSCALE + tok * stride_st + head, row_scale, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["QUERY_START", "SEQ_LENS", "num_pages", "stride_lt"])
-def tq_center_logits_kernel(CWZ, stride_ct, stride_ch, CSCALE, stride_st, QUERY_START, SEQ_LENS, PAGE_COS16,
-                            PAGE_SIN16, num_pages, LOGITS, stride_lt, stride_lp,
-                            HQ: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                            BP: tl.constexpr):
-    """Grid (requests, head blocks of HB, page blocks of BP): the key-centering logits of each request's query token
-    (its last; one per request) for the pages of its sequence, LOGITS[t, p, h] = CSCALE[t, h] * (w . PC[p] + z . PS[p])
-    (w, z = CWZ[t, h, 0 / 1] from ``tq_center_queries_kernel``; PC / PS the fp16 page tables, ``num_pages`` rows,
-    the last reused past its end), for p < cdiv(seq_len, PAGE), as fp16 products with fp32 sums. A page block of
-    BP pages reads BP table rows once for HB heads."""
-    req = tl.program_id(0)
-    pages = tl.cdiv(tl.load(SEQ_LENS + req), PAGE)
-    p = tl.program_id(2) * BP + tl.arange(0, BP)
-    if tl.program_id(2) * BP >= pages:
-        return
-    tok = tl.load(QUERY_START + req).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)
-    i = tl.arange(0, D)
-    row = tl.minimum(p, num_pages - 1).to(tl.int64)[:, None] * D + i[None, :]
-    wz = CWZ + tok * stride_ct + h[None, :] * stride_ch + i[:, None]  # [D, HB]
-    acc = tl.dot(tl.load(PAGE_COS16 + row), tl.load(wz, mask=(h < HQ)[None, :], other=0.0))
-    acc = tl.dot(tl.load(PAGE_SIN16 + row), tl.load(wz + D, mask=(h < HQ)[None, :], other=0.0), acc)
-    scale = tl.load(CSCALE + tok * stride_st + h, mask=h < HQ, other=0.0)
-    tl.store(LOGITS + tok * stride_lt + p[:, None] * stride_lp + h[None, :], acc * scale[None, :],
-             mask=(p < pages)[:, None] & (h < HQ)[None, :])
-
-
 @triton.jit
 def _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt, s0, num_splits,
                        t, h, rmask, mx, y, total, DP: tl.constexpr, SC: tl.constexpr):

@@ -243,10 +243,9 @@ def _halves(x):
 
 # Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size and split
 # count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
-# stride, the request metadata slices, the split count, the partial outputs' strides and the centering logits' row
-# stride (pages x heads).
+# stride, the request metadata slices, the split count and the partial outputs' strides.
 @gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
-                              "num_splits", "stride_lt"])
+                              "num_splits"])
 def tq_paged_decode_wgmma_kernel(
     QROT, stride_qt, stride_qh,
     CACHE, stride_cb, stride_ch,
@@ -255,7 +254,6 @@ def tq_paged_decode_wgmma_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_splits,
     CWZ, stride_ct, stride_cwh, CSCALE, stride_st, PAGE_COS16, PAGE_SIN16, num_pages,
-    LOGITS, stride_lt, stride_lp,
     GQ: gl.constexpr, PAGE: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
     P_EXP: gl.constexpr, CENTER: gl.constexpr,
@@ -273,10 +271,8 @@ def tq_paged_decode_wgmma_kernel(
     ``CENTER`` (keys stored with key centering, ``ops.key_centering``): the scores of a token in page p get
     q . c_p = row scale * (w . PC[p] + z . PS[p]) (w, z: CWZ [T, Hq, 2, 128] fp16 and the row scales CSCALE [T, Hq]
     from ``tq_center_queries_kernel``; PC / PS the fp16 page tables, ``num_pages`` rows, the last reused past its
-    end). CENTER = 2: read from LOGITS [T, pages, Hq] fp32 (``tq_center_logits_kernel``), 4 pages' worth per tile.
-    CENTER = 1 (where those do not fit the workspace): computed here for 64 groups of 16 tokens (1024 tokens) at a
-    time, as one fp16 warpgroup product [64 groups, 256] . [256, 8] kept in shared memory, and each tile reads its
-    4 groups back."""
+    end). They are computed for 64 groups of 16 tokens (1024 tokens) at a time, as one fp16 warpgroup product
+    [64 groups, 256] . [256, 8] kept in shared memory, and each tile reads its 4 groups back."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(GQ <= 8, "the GQA group fills at most the 8 MMA columns")
     gl.static_assert(PAGE % 16 == 0, "a warp's 16 token rows lie in one page")
@@ -350,17 +346,7 @@ def tq_paged_decode_wgmma_kernel(
     _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
                 PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
 
-    # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group terms
-    # broadcast over their 16 rows without moving data.
-    g3: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
-    if CENTER == 2:
-        lg_l: gl.constexpr = gl.SliceLayout(1, g3)
-        lg_grp = gl.arange(0, 4, layout=gl.SliceLayout(1, lg_l))
-        lg_col = gl.arange(0, 8, layout=gl.SliceLayout(0, lg_l))
-        lg_base = LOGITS + tok * stride_lt + (kvh * GQ + lg_col)[None, :]
-    if CENTER == 1:
+    if CENTER:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
         # each), read as [32, 8] per chunk; zero past the group.
         mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -373,6 +359,11 @@ def tq_paged_decode_wgmma_kernel(
         for c in gl.static_range(8):
             cwz_smem.index(c).store(gl.load(cbase + c * 32, mask=(cr < GQ)[:, None] & (cc < 32)[None, :], other=0.0))
         cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cols, mask=cols < GQ, other=0.0)
+        # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group
+        # terms broadcast over their 16 rows without moving data.
+        g3: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
         gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -387,7 +378,7 @@ def tq_paged_decode_wgmma_kernel(
     # the tile loop, whose registers it would otherwise crowd (benchmarks/results/INDEX.md, 2026-11-27 rows).
     for blk in range(lo // 1024 * 1024, hi, 1024):
         first = gl.maximum(lo, blk)
-        if CENTER == 1:
+        if CENTER:
             stage = ((first - lo) // 64) % 2
             # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
             gpage = gl.minimum((blk + grow * 16) // PAGE, num_pages - 1)
@@ -414,10 +405,6 @@ def tq_paged_decode_wgmma_kernel(
             stage = ((start - lo) // 64) % 2
             _stage_tile(head, bt_row, last_blk, start + 64, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st,
                         1 - stage, stride_cb, PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-            if CENTER == 2:  # issued here, used after the key products
-                lg_grp_tok = start + lg_grp * 16
-                gt = gl.load(lg_base + (lg_grp_tok // PAGE)[:, None] * stride_lp,
-                             mask=(lg_grp_tok < hi)[:, None] & (lg_col < GQ)[None, :], other=0.0)
             async_copy.wait_group(1)  # this tile's copies (the next tile's stay in flight)
             gl.thread_barrier()
             kx = stage_buf.index(2 * stage)._reinterpret(gl.int32, [64, 16], KEY_READ_SMEM).load(_staged_key_layout())
@@ -444,8 +431,7 @@ def tq_paged_decode_wgmma_kernel(
             ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
             vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
             if CENTER:
-                if CENTER == 1:
-                    gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
+                gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
                 gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
                 s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
             else:

@@ -47,10 +47,6 @@ ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation
 MERGE_ROWS_PER_PROGRAM = 16
 MERGE_SPLITS_PER_LOAD = 8
 UNSPLIT_ROWS_PER_PROGRAM = 32
-# The centering logits (``center_logits``): a program multiplies BP pages' table rows with HB heads' operands, so each
-# row is read once per request for up to HB heads.
-CENTER_LOGITS_PAGES = 64
-CENTER_LOGITS_HEADS = 32
 # More than this many loads' worth of splits are merged in two levels: groups of MERGE_SPLITS_PER_LOAD side by side,
 # then the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
 MERGE_GROUPS_FROM = 2
@@ -159,26 +155,22 @@ def _round_up(n: int) -> int:
     return -(-n // _SECTION_FLOATS) * _SECTION_FLOATS
 
 
-def _workspace_sections(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                        center_pages: int = 0) -> tuple[int, ...]:
+def _workspace_sections(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int, ...]:
     """float32 offsets of (partial outputs, log-sum-exps, fp16 rotated queries, fp16 centering operands,
-    centering scales, centering logits, end) in the workspace."""
+    centering scales, end) in the workspace."""
     rows = num_tokens * num_q_heads
     part_o = 0
     part_l = _round_up(part_o + num_splits * rows * head_dim)
     qrot = _round_up(part_l + num_splits * rows)
     cwz = _round_up(qrot + (rows * head_dim + 1) // 2)
     cscale = _round_up(cwz + rows * head_dim)
-    logits = _round_up(cscale + rows)
-    return part_o, part_l, qrot, cwz, cscale, logits, logits + rows * center_pages
+    return part_o, part_l, qrot, cwz, cscale, cscale + rows
 
 
-def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                            center_pages: int = 0) -> int:
+def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """float32 elements the decode path needs: partial outputs and log-sum-exps per split, fp16 rotated
-    queries, the key-centering operands (fp16 w and z, an fp32 scale per row) and, for ``center_pages`` > 0, the
-    centering logits of that many pages per row."""
-    return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits, center_pages)[-1]
+    queries, and the key-centering operands (fp16 w and z, an fp32 scale per row)."""
+    return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits)[-1]
 
 
 def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
@@ -186,19 +178,10 @@ def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, 
     log-sum-exps [splits, T, Hq] (fp32), rotated queries [T, Hq, d] (fp16), centering operands [T, Hq, 2, d] (fp16)
     and scales [T, Hq] (fp32)."""
     tq, hq, d, s = num_tokens, num_q_heads, head_dim, num_splits
-    o_off, l_off, q_off, c_off, s_off, _, _ = _workspace_sections(tq, hq, d, s)
+    o_off, l_off, q_off, c_off, s_off, end = _workspace_sections(tq, hq, d, s)
     return (ws[o_off : o_off + s * tq * hq * d].view(s, tq, hq, d), ws[l_off : l_off + s * tq * hq].view(s, tq, hq),
             ws[q_off:c_off].view(torch.float16)[: tq * hq * d].view(tq, hq, d),
-            ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d),
-            ws[s_off : s_off + tq * hq].view(tq, hq))
-
-
-def center_logits_view(ws: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
-                       center_pages: int) -> torch.Tensor:
-    """The centering logits' section of the workspace: [T, center_pages, Hq] fp32."""
-    tq, hq = num_tokens, num_q_heads
-    g_off, end = _workspace_sections(tq, hq, head_dim, num_splits, center_pages)[-2:]
-    return ws[g_off:end].view(tq, center_pages, hq)
+            ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d), ws[s_off:end].view(tq, hq))
 
 
 def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torch.Tensor, centering,
@@ -216,36 +199,6 @@ def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torc
         plan.softmax_scale / LN2, GQ=plan.group, GQP=triton.next_power_of_2(plan.group), D=d, D_PAD=d,
         ROT_HALF=centering.rot_half, NEOX=centering.neox, QL=ql, num_warps=4)
     return centering.page_cos16, centering.page_sin16, centering.num_pages
-
-
-def center_logits(plan, cwz: torch.Tensor, cscale: torch.Tensor, centering, logits: torch.Tensor) -> None:
-    """The centering logits of a decode batch (one query token per request) for every page of each request's
-    sequence into ``logits`` [T, pages, Hq] (``tq_center_logits_kernel``), from the operands
-    ``center_query_operands`` wrote: the attention adds them per 16-token group instead of computing them."""
-    from ..kernels.paged_decode_jit import tq_center_logits_kernel
-
-    hq, pages = plan.num_q_heads, logits.shape[1]
-    hb = min(max(triton.next_power_of_2(hq), 16), CENTER_LOGITS_HEADS)
-    tq_center_logits_kernel[(plan.num_reqs, triton.cdiv(hq, hb), triton.cdiv(pages, CENTER_LOGITS_PAGES))](
-        cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), plan.query_start_loc, plan.seq_lens,
-        centering.page_cos16, centering.page_sin16, centering.num_pages, logits, logits.stride(0), logits.stride(1),
-        HQ=hq, HB=hb, D=plan.layout.head_dim, PAGE=plan.layout.block_size, BP=CENTER_LOGITS_PAGES, num_warps=4)
-
-
-def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      centering, block_size: int, pages: int) -> torch.Tensor:
-    """Plain-torch ``center_logits`` in float64 from the same fp16 operands and tables: [T, pages, Hq], the pages
-    past a request's sequence zero (the kernel leaves them unwritten)."""
-    tq, hq, _, d = cwz.shape
-    out = torch.zeros(tq, pages, hq, dtype=torch.float64)
-    pc, ps = centering.page_cos16.double().cpu(), centering.page_sin16.double().cpu()
-    for r in range(seq_lens.shape[0]):
-        t = int(query_start_loc[r])
-        n = -(-int(seq_lens[r]) // block_size)
-        rows = torch.arange(n).clamp(max=pc.shape[0] - 1)
-        w, z = cwz[t, :, 0].double().cpu(), cwz[t, :, 1].double().cpu()  # [Hq, d]
-        out[t, :n] = (pc[rows] @ w.T + ps[rows] @ z.T) * cscale[t].double().cpu()[None, :]
-    return out
 
 
 def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch.Tensor, torch.Tensor],
