@@ -95,16 +95,24 @@ def _stand_in_libcuda(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow
-def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp_path):
+def _run_script(tmp_path: Path, script: str, unset: tuple[str, ...] = (), **extra_env: str) -> dict:
+    """``script`` in a fresh interpreter with Triton compiling (not interpreting) into a cache under ``tmp_path``, the
+    stand-in libcuda and ``extra_env`` (``unset`` removed): its last line of output, as JSON."""
     libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
                TRITON_LIBCUDA_PATH=libcuda,
-               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=ROOT)
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p),
+               **extra_env)
+    for name in unset:
+        env.pop(name, None)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp_path):
+    res = _run_script(tmp_path, SCRIPT)
     first, second = res["first"], res["second"]
     # decode at 4 bits, head_dim 64: the store, the query rotation, the register-tile kernel (split and unsplit
     # launches share it) and the merge (split and unsplit variants, and the first level of a merge of many splits)
@@ -122,7 +130,9 @@ def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp
     assert res["new_files"] == [], "Triton's compile path or launcher build did not find what the workers wrote"
 
 
-RECOMPILE_SCRIPT = r'''
+# The start of the subprocess scripts below: a 4-bit head_dim-64 cache on the stand-in sm_90 driver; WARM_UP then
+# compiles its decode warm-up ahead in two workers (``ahead``).
+WARM_UP_HEAD = r'''
 import json, os
 
 import torch
@@ -133,14 +143,18 @@ from tests.ops.sm90_probe import Sm90Driver
 driver.set_active(Sm90Driver())
 
 from turboquant_core.ops import paged_decode
-from turboquant_core.ops.compile_ahead import (_jit_function, compile_ahead, counting_compiles, explain_recompile,
-                                               loading_from)
+from turboquant_core.ops.compile_ahead import (_compile_inputs, _jit_function, compile_ahead, counting_compiles,
+                                               explain_recompile, key_digests, loading_from)
 from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
 
 paged_decode._gluon_runs = lambda device: True
 layout = paged_layout("turboquant_4bit_nc", head_dim=64, block_size=16)
 cache = allocate_kv_cache(8, 3, layout)
-ahead = compile_ahead(lambda: warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, paths=("decode",)), workers=2)
+'''
+WARM_UP = ("ahead = compile_ahead(lambda: warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, "
+           'paths=("decode",)), workers=2)\n')
+
+RECOMPILE_SCRIPT = WARM_UP_HEAD + WARM_UP + r'''
 variant = {}
 for v in ahead.recorded:  # the first of a kernel's variants (the merge has a split and an unsplit one)
     variant.setdefault(v.name, v)
@@ -187,15 +201,8 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     """A launch that compiles what the workers compiled says why: the part of Triton's cache key that changed (here a
     cache-invalidating environment variable), or, with the same key, the cache directory that changed; inside
     ``loading_from`` it loads from the directory compiled into."""
-    libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               OTHER_CACHE_DIR=str(tmp_path / "other"), TRITON_LIBCUDA_PATH=libcuda,
-               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
-    env.pop("TRITON_DISABLE_LINE_INFO", None)
-    p = subprocess.run([sys.executable, "-c", RECOMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = _run_script(tmp_path, RECOMPILE_SCRIPT, unset=("TRITON_DISABLE_LINE_INFO",),
+                      OTHER_CACHE_DIR=str(tmp_path / "other"))
     assert res["ahead"] == 6
     compiled, why = res["env"]
     assert compiled == ["tq_merge_unrotate_kernel"]
@@ -219,28 +226,12 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
                    f"(ffffffffffff -> {here['hash']}), apart in source 000000000000 -> {here['source']}"), why
 
 
-STALE_PTXAS_SCRIPT = r'''
-import json, os
-
-import torch
-from triton.runtime.driver import driver
-
-from tests.ops.sm90_probe import Sm90Driver
-
-driver.set_active(Sm90Driver())
-
+STALE_PTXAS_SCRIPT = WARM_UP_HEAD + r'''
 from triton.backends.nvidia.compiler import get_ptxas_version
-from turboquant_core.ops import paged_decode
-from turboquant_core.ops.compile_ahead import (_compile_inputs, _jit_function, compile_ahead, counting_compiles,
-                                               key_digests)
-from turboquant_core.ops.paged import allocate_kv_cache, paged_layout, warmup_kernels
 
-paged_decode._gluon_runs = lambda device: True
-layout = paged_layout("turboquant_4bit_nc", head_dim=64, block_size=16)
-cache = allocate_kv_cache(8, 3, layout)
 keyed = get_ptxas_version(90)  # this process's keys now carry Triton's bundled ptxas
 os.environ["TRITON_PTXAS_PATH"] = os.environ["OTHER_PTXAS"]  # as torch inductor sets it on its first compile
-ahead = compile_ahead(lambda: warmup_kernels(cache, layout, 9, 3, dtype=torch.bfloat16, paths=("decode",)), workers=2)
+''' + WARM_UP + r'''
 with counting_compiles() as count:
     for v in ahead.recorded:
         _jit_function(v).preload(v.specialization)
@@ -267,15 +258,7 @@ def test_workers_key_by_the_ptxas_this_process_keys_by(tmp_path):
     other = next((p for p in others if version(p) != version(bundled)), None)
     if other is None:
         pytest.skip("no ptxas of another version than Triton's own on this machine")
-    libcuda = str(_stand_in_libcuda(tmp_path / "libcuda"))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               TRITON_LIBCUDA_PATH=libcuda, OTHER_PTXAS=other,
-               LD_LIBRARY_PATH=os.pathsep.join(p for p in (libcuda, os.environ.get("LD_LIBRARY_PATH")) if p))
-    env.pop("TRITON_PTXAS_PATH", None)
-    p = subprocess.run([sys.executable, "-c", STALE_PTXAS_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = _run_script(tmp_path, STALE_PTXAS_SCRIPT, unset=("TRITON_PTXAS_PATH",), OTHER_PTXAS=other)
     assert res["compiled_ahead"] == 6 and res["keyed_unchanged"]
     assert res["ptxas"] == {"TRITON_PTXAS_PATH": str(bundled)}
     assert res["worker_keys"] == [True] * 6, res["worker_keys"]
