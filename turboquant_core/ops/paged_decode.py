@@ -221,7 +221,7 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
     tq_merge_unrotate_kernel[(triton.cdiv(rows, br),)](
         part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, num_splits,
-        v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=MERGE_SPLITS_PER_LOAD,
+        v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=sc,
         ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4)
 
 
