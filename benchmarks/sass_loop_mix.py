@@ -71,17 +71,21 @@ print(json.dumps(dict(kernels=names, cubins=out)))
 '''
 
 
-def loop_mix(sass: str) -> dict:
+def loop_mix(sass: str, innermost: bool = False) -> dict:
     """{instructions, ops: {op: count}, pipes: {pipe: count}} of the longest backward branch's body of one SASS
-    listing (addresses in bytes, 16 per instruction)."""
+    listing (addresses in bytes, 16 per instruction); with ``innermost``, of the longest body that holds no other
+    (a loop nested in another: the decode kernels' tile loop inside their loop over blocks)."""
     lines = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
-    best = None
+    loops = []
     for addr, op, line in lines:
         if op != "BRA":
             continue
         m = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1])
-        if m and int(m.group(1), 16) < addr and (best is None or addr - int(m.group(1), 16) > best[1] - best[0]):
-            best = (int(m.group(1), 16), addr)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    if innermost:
+        loops = [(t, a) for t, a in loops if not any(t <= t2 and a2 <= a and (t2, a2) != (t, a) for t2, a2 in loops)]
+    best = max(loops, key=lambda ta: ta[1] - ta[0], default=None)
     if best is None:
         return dict(instructions=0, ops={}, pipes={})
     ops = collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
