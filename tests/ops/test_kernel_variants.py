@@ -104,7 +104,8 @@ for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's lon
         tq_store(key[:reqs], value[:reqs], cache, torch.arange(reqs), layout, centering=cent,
                  query_start_loc=torch.arange(reqs + 1, dtype=torch.int32), seq_lens=seq[:reqs],
                  block_table=table[:reqs], center_sums=sums, single_token_requests=True, **kept)
-    for max_seq in (40, 8192):
+    # (131072: centred wgmma batches whose centering logits no longer fit the workspace)
+    for max_seq in (40, 8192, 131072):
         qsl = torch.arange(reqs + 1, dtype=torch.int32)
         plan.plan(table[:reqs], qsl, seq[:reqs], num_tokens=reqs, max_query_len=1, max_seq_len=max_seq,
                   causal=True, sliding_window=window)

@@ -195,6 +195,41 @@ def test_split_merge_matches_its_reference(d, hq, tokens, num_splits, write_lse,
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hq,hkv,page,seq_lens", [(32, 8, 16, (700, 1, 16, 17)), (9, 3, 16, (64, 129)),
+                                                   (64, 8, 16, (300,)), (28, 4, 32, (1100, 33))])
+def test_center_logits_match_their_reference(hq, hkv, page, seq_lens, device):
+    """``center_logits`` (on the CPU, Triton's interpreter runs its kernel): each request's query logits for every
+    16-token group of its sequence, in its KV head's columns, against float64 torch from the same fp16 operands;
+    groups past the table's end reuse its last row (700 tokens = 44 pages of a 32-row table), head blocks are masked
+    past the heads (9 of 16) or split (64 in two), 32-token pages give two groups each, and nothing is written past
+    a request's groups or a KV head's query heads (groups of 3 and 7 of 8 columns)."""
+    from turboquant_core.ops.key_centering import key_centering_tables
+    from turboquant_core.ops.page_layout import paged_layout
+    from turboquant_core.ops.paged_attention import TQAttentionPlan
+
+    g = torch.Generator().manual_seed(hq)
+    d = 128
+    centering = key_centering_tables(10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d), d, page,
+                                     32 * page, device=device)
+    reqs, gq = len(seq_lens), hq // hkv
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32)
+    plan = TQAttentionPlan(paged_layout("turboquant_k3v4_nc", d, page), hq, hkv, device, workspace_bytes=1 << 20)
+    plan.plan(torch.zeros(reqs, 64, dtype=torch.int32, device=device), qsl.to(device), lens.to(device),
+              num_tokens=reqs, max_query_len=1, max_seq_len=max(seq_lens))
+    cwz = (torch.randn(reqs, hq, 2, d, generator=g) * 0.3).to(torch.float16)
+    cscale = torch.rand(reqs, hq, generator=g) + 0.5
+    groups = -(-max(seq_lens) // 16) + 3
+    logits = torch.full((reqs, hkv, groups, 8), float("nan"), device=device)
+    paged_decode.center_logits(plan, cwz.to(device), cscale.to(device), centering, logits)
+    want = paged_decode.center_logits_ref(cwz, cscale, qsl, lens, centering, page, hkv, groups)
+    valid = ((torch.arange(groups)[None, :] < -(-lens[:, None] // 16))[:, None, :, None]
+             & (torch.arange(8) < gq)).expand(-1, hkv, -1, -1)
+    got = logits.cpu().double()
+    assert got[~valid].isnan().all(), "groups past a request's sequence or columns past its heads were written"
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,d,hq,hkv", [
     ("turboquant_k3v4_nc", 128, 32, 8),  # Qwen3-8B heads

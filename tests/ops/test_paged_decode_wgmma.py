@@ -200,6 +200,19 @@ def test_plan_takes_the_wgmma_kernel_where_allowed_and_where_it_serves(monkeypat
     assert kernel("turboquant_k3v4_nc", 32, 2) == "register-tile"  # a group of 16 columns
     assert kernel("turboquant_k3v4_nc", 32, 8, max_query_len=2) == "register-tile"  # verification
     assert kernel("turboquant_k3v4_nc", 16, 8, d=64) == "register-tile"
+    # key-centering logits of every 16-token group (7 here) where the workspace holds them next to the splits' outputs
+    from turboquant_core.ops.paged_decode import decode_workspace_floats
+
+    def center_groups(workspace_bytes, max_seq_len=100, page=16):
+        plan = TQAttentionPlan(paged_layout("turboquant_k3v4_nc", 128, page), 32, 8, "cpu",
+                               workspace_bytes=workspace_bytes)
+        plan.plan(bt, qsl1, sl, num_tokens=4, max_query_len=1, max_seq_len=max_seq_len, num_splits=2)
+        assert plan.decode_splits == 2
+        return plan.center_groups
+
+    assert center_groups(8 << 20) == 7 and center_groups(8 << 20, 1601) == 101 and center_groups(8 << 20, 100, 32) == 7
+    assert center_groups(4 * decode_workspace_floats(4, 32, 128, 2, 7, 8)) == 7
+    assert center_groups(4 * decode_workspace_floats(4, 32, 128, 2, 7, 8) - 4) == 0  # the splits first
     with pytest.raises(ValueError,
                        match=r"unknown decode kernel 'mma'; choose from \('auto', 'register-tile', 'wgmma'\)"):
         TQAttentionPlan(paged_layout("turboquant_k3v4_nc", 128, 16), 32, 8, "cpu",
@@ -233,8 +246,9 @@ def on_launch(launch):
             f.flush()
             sass = subprocess.run([sm90_probe.CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
                                   check=True).stdout
-        mix = loop_mix(sass)
-        res.update(target=k.asm["ptx"].split(".target")[1].split()[0], loop=mix["instructions"], ops=mix["ops"])
+        mix, tile = loop_mix(sass), loop_mix(sass, innermost=True)
+        res.update(target=k.asm["ptx"].split(".target")[1].split()[0], loop=mix["instructions"], ops=mix["ops"],
+                   tile_loop=tile["instructions"], tile_ops=tile["ops"])
 
 
 sm90_probe.install(on_launch)
@@ -249,7 +263,7 @@ plan = TQAttentionPlan(lay, 32, 8, "cpu", workspace_bytes=8 << 20, config=TQAtte
 plan.wgmma_words = paged_decode_wgmma.wgmma_table_words(lay)
 plan.plan(torch.zeros(4, 8, dtype=torch.int32), torch.arange(5, dtype=torch.int32),
           torch.full((4,), 100, dtype=torch.int32), num_tokens=4, max_query_len=1, max_seq_len=100)
-plan.decode_splits, plan.decode_kernel = 2, "wgmma"
+plan.decode_splits, plan.decode_kernel, plan.center_groups = 2, "wgmma", 7  # as planned on an H100
 q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
 u8, f16 = _cache_views(cache, lay, 8)
 paged_decode_wgmma.run_decode_wgmma(plan, q, u8, torch.empty_like(q), None)
@@ -257,31 +271,46 @@ tag = "+centred"
 cent = key_centering_tables(10000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128), 128, 16, 4096)
 sums = torch.zeros(4, 8, 2, 128)
 paged_decode_wgmma.run_decode_wgmma(plan, q, u8, torch.empty_like(q), None, cent, sums)
+tag = "+centred-in-kernel"  # the logits would not fit the workspace: the kernel's own centre-term product
+plan.center_groups = 0
+paged_decode_wgmma.run_decode_wgmma(plan, q, u8, torch.empty_like(q), None, cent, sums)
 print(json.dumps(found))
 '''
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90a_without_spills():
-    """The path's three launches, bound by Triton's own binder for an sm_90 device and compiled with its bundled
-    ptxas (no GPU): no spills; the attention kernel targets sm_90a, fits its register cap, and its loop issues 8
-    QGMMA per 64-token tile."""
+    """The path's launches, bound by Triton's own binder for an sm_90 device and compiled with its bundled ptxas (no
+    GPU): no spills; the attention kernel targets sm_90a, fits its register cap, and its loop issues 8 QGMMA per
+    64-token tile. With key centering, the logits computed ahead (one more launch) and, where they do not fit the
+    workspace, the kernel's own centre-term product."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     launches = {"tq_rotate_queries_kernel", "tq_paged_decode_wgmma_kernel", "tq_merge_unrotate_kernel"}
-    assert set(res) == launches | {n + "+centred" for n in launches | {"tq_center_queries_kernel"}}
-    assert all(r["stack"] == 0 for n, r in res.items() if n != "tq_paged_decode_wgmma_kernel+centred"), res
+    centred = launches | {"tq_center_queries_kernel"}
+    assert set(res) == (launches | {n + "+centred" for n in centred | {"tq_center_logits_kernel"}}
+                        | {n + "+centred-in-kernel" for n in centred})
+    assert all(r["stack"] == 0 for n, r in res.items() if not n.startswith("tq_paged_decode_wgmma_kernel+")), res
     k = res["tq_paged_decode_wgmma_kernel"]
     # 64 registers let 8 programs reside per SM, as the split count assumes
     assert k["target"] == "sm_90a" and k["ops"].get("QGMMA") == 8 and "HGMMA" not in k["ops"], k
     assert k["regs"] <= paged_decode_wgmma.WGMMA_MAXNREG == 64, k
-    # Centred keys: the same 8 QGMMA per tile, 16 HGMMA in the branch that computes 1024 tokens' centre terms, and
-    # within the same 64 registers at the cost of a few loop-invariant values kept on the stack (stored before the
-    # loop, reloaded in it).
+    # Centred keys, logits computed ahead: the plain tile loop plus one shared-memory read of 4 groups' logits and
+    # their sum, nothing on the stack read in it, and 4 KB more shared memory than plain keys for two blocks' logits
+    # (8 programs still reside per SM). The loop over blocks around it issues each block's copy.
     c = res["tq_paged_decode_wgmma_kernel+centred"]
+    assert c["tile_ops"].get("QGMMA") == 8 and "HGMMA" not in c["ops"] and c["regs"] <= 64, c
+    assert "STL" not in c["tile_ops"] and "LDL" not in c["tile_ops"] and c["stack"] <= 16, c
+    assert c["tile_ops"].get("LDG") == k["tile_ops"].get("LDG") and c["tile_ops"]["LDS"] == k["tile_ops"]["LDS"] + 1, c
+    assert c["tile_loop"] <= k["tile_loop"] + 16 and c["shared"] == k["shared"] + 4096, (c, k)
+    assert c["ops"]["LDGSTS"] == k["ops"]["LDGSTS"] + 1, c
+    # The kernel's own product: the same 8 QGMMA per tile, 16 HGMMA in the branch that computes 1024 tokens' centre
+    # terms, within the same 64 registers at the cost of a few loop-invariant values kept on the stack.
+    c = res["tq_paged_decode_wgmma_kernel+centred-in-kernel"]
     assert c["ops"].get("QGMMA") == 8 and c["ops"].get("HGMMA") == 16 and c["regs"] <= 64, c
+    assert "LDL" not in c["tile_ops"], c
     assert "STL" not in c["ops"] and c["ops"].get("LDL", 0) <= 6 and c["stack"] <= 32, c
 
 
@@ -347,13 +376,17 @@ def test_reference_path_with_centering_without_rounding_is_the_attention_referen
 @pytest.mark.skipif(not _sm90_available(), reason="needs an sm_90 GPU (H100 / H200)")
 @pytest.mark.parametrize("group,hkv", [(4, 2), (8, 1)])
 @pytest.mark.parametrize("splits", [1, 3, None])
-def test_wgmma_decode_with_key_centering_matches_its_reference(group, hkv, splits):
-    # 2100 tokens: three 1024-token blocks of centre terms, the last partial
+@pytest.mark.parametrize("logits_ahead", [True, False])
+def test_wgmma_decode_with_key_centering_matches_its_reference(group, hkv, splits, logits_ahead):
+    # 2100 tokens: three 1024-token blocks of centre terms, the last partial. The logits computed ahead, or the
+    # kernel's own centre-term product, as where the workspace cannot hold them.
     b, q, qsl, sl = _centred_batch(hkv, group, [2, 37, 213, 1500, 2100], "cuda", seed=6)
     cent = dict(centering=b.cent, center_sums=b.sums)
     plan = TQAttentionPlan(b.lay, q.shape[1], hkv, "cuda", config=TQAttentionConfig(decode_kernel="wgmma"))
     plan.plan(b.bt, qsl, sl, num_tokens=q.shape[0], max_query_len=1, max_seq_len=int(sl.max()), num_splits=splits)
-    assert plan.decode_kernel == "wgmma"
+    assert plan.decode_kernel == "wgmma" and plan.center_groups == 132
+    if not logits_ahead:
+        plan.center_groups = 0
     out, lse = plan.run(q, b.cache, return_lse=True, **cent)
     mine_out, mine_lse = tq_paged_decode_wgmma_ref(q, b.cache, b.lay, b.bt, qsl, sl, num_splits=plan.decode_splits,
                                                    **cent)

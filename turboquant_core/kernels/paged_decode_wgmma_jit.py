@@ -202,6 +202,17 @@ def _stage_tile(head, bt_row, last_blk, start, hi, c_pg, k_off, k_ok, v_off, s_o
 
 
 @gluon.jit
+def _copy_logits(base, b, hi, groups, row, col, lg_smem, GQ: gl.constexpr):
+    """Asynchronous copy of block b's centering logits (64 groups of 16 tokens x 8 columns from ``base``, a KV head's
+    rows of ``tq_center_logits_kernel``'s output) into ``lg_smem``'s half b % 2, committed with the next tile's
+    copies; none past the sequence's last block (``hi``) or the groups held, zero past the KV head's GQ columns."""
+    g = b * 64 + row
+    async_copy.async_copy_global_to_shared(
+        lg_smem.index(b % 2), base + b.to(gl.int64) * 512 + (row * 8)[:, None] + col[None, :],
+        mask=((g < groups) & (b * 1024 < hi))[:, None] & (col < GQ)[None, :])
+
+
+@gluon.jit
 def _value_selectors(x):
     """x: byte j = token j's byte of one coordinate pair (natural 4-bit indices, low nibble e = 0) -> (selector
     word: low / high 16 bits = the 4 tokens' magnitude ranks of e = 0 / e = 1, sign words of e = 0 and e = 1:
@@ -243,9 +254,10 @@ def _halves(x):
 
 # Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size and split
 # count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
-# stride, the request metadata slices, the split count and the partial outputs' strides.
+# stride, the request metadata slices, the split count, the partial outputs' strides and the centering logits'
+# strides (their group count follows the batch's longest sequence).
 @gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
-                              "num_splits"])
+                              "num_splits", "stride_lt", "stride_lh"])
 def tq_paged_decode_wgmma_kernel(
     QROT, stride_qt, stride_qh,
     CACHE, stride_cb, stride_ch,
@@ -254,6 +266,7 @@ def tq_paged_decode_wgmma_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     num_splits,
     CWZ, stride_ct, stride_cwh, CSCALE, stride_st, PAGE_COS16, PAGE_SIN16, num_pages,
+    LOGITS, stride_lt, stride_lh,
     GQ: gl.constexpr, PAGE: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
     P_EXP: gl.constexpr, CENTER: gl.constexpr,
@@ -271,8 +284,10 @@ def tq_paged_decode_wgmma_kernel(
     ``CENTER`` (keys stored with key centering, ``ops.key_centering``): the scores of a token in page p get
     q . c_p = row scale * (w . PC[p] + z . PS[p]) (w, z: CWZ [T, Hq, 2, 128] fp16 and the row scales CSCALE [T, Hq]
     from ``tq_center_queries_kernel``; PC / PS the fp16 page tables, ``num_pages`` rows, the last reused past its
-    end). They are computed for 64 groups of 16 tokens (1024 tokens) at a time, as one fp16 warpgroup product
-    [64 groups, 256] . [256, 8] kept in shared memory, and each tile reads its 4 groups back."""
+    end). Both modes keep the terms of 64 groups of 16 tokens (1024 tokens) at a time in shared memory, and each tile
+    reads its 4 groups back. CENTER = 2: they are copied from LOGITS [T, KV heads, groups, 8] fp32
+    (``tq_center_logits_kernel``) one block ahead, with the tile copies. CENTER = 1 (where those do not fit the
+    workspace): they are computed here, as one fp16 warpgroup product [64 groups, 256] . [256, 8] per block."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(GQ <= 8, "the GQA group fills at most the 8 MMA columns")
     gl.static_assert(PAGE % 16 == 0, "a warp's 16 token rows lie in one page")
@@ -343,10 +358,25 @@ def tq_paged_decode_wgmma_kernel(
     k_ok = (c_kw < 12)[None, None, :] & (c_row < 16)[None, :, None] & (c_pg < 4)[:, None, None]
     v_off = (c_vrow * 32)[None, :, None] + c_vh[None, None, :]
     s_off = gl.where(c_kind == 0, K_SC_OFF // 2, V_SC_OFF // 2)[:, None, None] + c_srow[None, None, :]
+    # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group terms
+    # broadcast over their 16 rows without moving data.
+    g3: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
+    if CENTER == 2:
+        # the logits of two blocks' 64 groups (by block parity), each block's copied with the tile copies a block
+        # ahead: shared memory, not registers, carries them across the tile loop
+        gsm = gl.allocate_shared_memory(gl.float32, [32, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        lg_smem = gsm._reinterpret(gl.float32, [2, 64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        lg_l: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+        lg_row = gl.arange(0, 64, layout=gl.SliceLayout(1, lg_l))
+        lg_col = gl.arange(0, 8, layout=gl.SliceLayout(0, lg_l))
+        # (whole multiples of 8 columns: 32-byte rows, copied 16 bytes at a time)
+        lg_base = LOGITS + tok * (stride_lt // 8 * 8) + kvh.to(gl.int64) * (stride_lh // 8 * 8)
+        _copy_logits(lg_base, lo // 1024, hi, stride_lh // 8, lg_row, lg_col, lg_smem, GQ)
     _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
                 PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
-
-    if CENTER:
+    if CENTER == 1:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
         # each), read as [32, 8] per chunk; zero past the group.
         mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -359,11 +389,6 @@ def tq_paged_decode_wgmma_kernel(
         for c in gl.static_range(8):
             cwz_smem.index(c).store(gl.load(cbase + c * 32, mask=(cr < GQ)[:, None] & (cc < 32)[None, :], other=0.0))
         cscale = gl.load(CSCALE + tok * stride_st + kvh * GQ + cols, mask=cols < GQ, other=0.0)
-        # [4 groups of 16 tokens, 16, 8]: reshaped to [64, 8] it is the score tile's layout, so a tile's 4 group
-        # terms broadcast over their 16 rows without moving data.
-        g3: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
         gsm = gl.allocate_shared_memory(gl.float32, [16, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         gsm2 = gsm._reinterpret(gl.float32, [64, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ga_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -378,7 +403,10 @@ def tq_paged_decode_wgmma_kernel(
     # the tile loop, whose registers it would otherwise crowd (benchmarks/results/INDEX.md, 2026-11-27 rows).
     for blk in range(lo // 1024 * 1024, hi, 1024):
         first = gl.maximum(lo, blk)
-        if CENTER:
+        if CENTER == 2:
+            # the next block's logits join the next tile's copies (this block's came with its first tile's)
+            _copy_logits(lg_base, blk // 1024 + 1, hi, stride_lh // 8, lg_row, lg_col, lg_smem, GQ)
+        if CENTER == 1:
             stage = ((first - lo) // 64) % 2
             # the centre terms of the 64 groups of 16 tokens from this 1024-token block's start
             gpage = gl.minimum((blk + grow * 16) // PAGE, num_pages - 1)
@@ -431,7 +459,10 @@ def tq_paged_decode_wgmma_kernel(
             ksc = gl.where(tvalid, gl.convert_layout(ksc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
             vsc = gl.where(tvalid, gl.convert_layout(vsc, tok_l, assert_trivial=True).to(gl.float32), 0.0)
             if CENTER:
-                gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
+                if CENTER == 2:
+                    gt = gsm.index((start // 64) % 32).load(gl.SliceLayout(1, g3))
+                else:
+                    gt = gsm.index((start % 1024) // 64).load(gl.SliceLayout(1, g3))
                 gt = gl.reshape(gl.expand_dims(gt, 1) + gl.zeros([4, 16, 8], gl.float32, layout=g3), [64, 8])
                 s = s * ksc[:, None] * q_unscale[None, :] + gl.convert_layout(gt, mma, assert_trivial=True)
             else:

@@ -31,7 +31,8 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
     without lse. Batch sizes and sequence lengths are run-time arguments, so these cover every
     batch. Writes one block (``block_id``; vLLM's block 0 is its never-read null block) of ``cache`` and reads
     only it: call before serving. With ``centering`` the centred variants (the store's two passes and its
-    single pass for single-token batches, both sums launches, centred attention) are compiled instead, with
+    single pass for single-token batches, both sums launches, centred attention; on the wgmma decode kernel with its
+    centering logits computed ahead and, where they would not fit the workspace, without) are compiled instead, with
     the sums kept across steps (tags and block epochs, as a serving engine keeps them per layer)."""
     dev = cache.device
     d, bs = layout.head_dim, layout.block_size
@@ -91,6 +92,12 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
             plan.run(q, cache, return_lse=path == "context", centering=centering, center_sums=sums)
             launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
                                  num_splits=plan.num_splits))
+            if path == "decode" and centering is not None and plan.center_groups and splits == 1:
+                # the wgmma kernel's own centre-term product, where a batch's logits do not fit the workspace
+                plan.center_groups = 0
+                plan.run(q, cache, centering=centering, center_sums=sums)
+                launches.append(dict(kernel=path, query_len=qlen, block_m=plan.block_m, one_qblock=plan.one_qblock,
+                                     num_splits=plan.num_splits, center_logits=False))
     return launches
 
 

@@ -221,7 +221,7 @@ class TQAttentionPlan:
         self.maxnreg = cfg.maxnreg or (128 if decode_sized else 0)
         # Decode batches run on the e4m3 warpgroup-MMA kernel where the configuration allows it and it serves them,
         # else on the register-tile kernel where it serves them (``ops.paged_decode``).
-        self.decode_splits, self.decode_kernel = 0, None
+        self.decode_splits, self.decode_kernel, self.center_groups = 0, None, 0
         wgmma = self.wgmma_words is not None and wgmma_decode_applies(
             self.layout, g, self.device, max_query_len=max_query_len, causal=causal, sliding_window=sliding_window)
         if wgmma or (self.decode_words is not None and decode_path_applies(
@@ -236,6 +236,12 @@ class TQAttentionPlan:
                 ds -= 1
             if decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) <= self.workspace.numel():
                 self.decode_splits, self.decode_kernel = ds, "wgmma" if wgmma else "register-tile"
+                # With key centering the wgmma kernel reads each 16-token group's logits, computed ahead, where the
+                # workspace holds them next to the splits' outputs (``ops.paged_decode_wgmma``).
+                groups = triton.cdiv(max(max_seq_len, 1), 16)
+                if wgmma and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds, groups,
+                                                     self.num_kv_heads) <= self.workspace.numel():
+                    self.center_groups = groups
         self._planned = True
         return self
 

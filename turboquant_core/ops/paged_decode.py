@@ -47,6 +47,10 @@ ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation
 MERGE_ROWS_PER_PROGRAM = 16
 MERGE_SPLITS_PER_LOAD = 8
 UNSPLIT_ROWS_PER_PROGRAM = 32
+# The centering logits (``center_logits``): a program multiplies BG 16-token groups' table rows with HB heads'
+# operands, so each row is read once per request for up to HB heads.
+CENTER_LOGITS_GROUPS = 64
+CENTER_LOGITS_HEADS = 32
 # More than this many loads' worth of splits are merged in two levels: groups of MERGE_SPLITS_PER_LOAD side by side,
 # then the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
 MERGE_GROUPS_FROM = 2
@@ -155,22 +159,26 @@ def _round_up(n: int) -> int:
     return -(-n // _SECTION_FLOATS) * _SECTION_FLOATS
 
 
-def _workspace_sections(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int, ...]:
+def _workspace_sections(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
+                        center_groups: int = 0, num_kv_heads: int = 0) -> tuple[int, ...]:
     """float32 offsets of (partial outputs, log-sum-exps, fp16 rotated queries, fp16 centering operands,
-    centering scales, end) in the workspace."""
+    centering scales, centering logits, end) in the workspace."""
     rows = num_tokens * num_q_heads
     part_o = 0
     part_l = _round_up(part_o + num_splits * rows * head_dim)
     qrot = _round_up(part_l + num_splits * rows)
     cwz = _round_up(qrot + (rows * head_dim + 1) // 2)
     cscale = _round_up(cwz + rows * head_dim)
-    return part_o, part_l, qrot, cwz, cscale, cscale + rows
+    logits = _round_up(cscale + rows)
+    return part_o, part_l, qrot, cwz, cscale, logits, logits + num_tokens * num_kv_heads * center_groups * 8
 
 
-def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+def decode_workspace_floats(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
+                            center_groups: int = 0, num_kv_heads: int = 0) -> int:
     """float32 elements the decode path needs: partial outputs and log-sum-exps per split, fp16 rotated
-    queries, and the key-centering operands (fp16 w and z, an fp32 scale per row)."""
-    return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits)[-1]
+    queries, the key-centering operands (fp16 w and z, an fp32 scale per row) and, for ``center_groups`` > 0, the
+    centering logits of that many 16-token groups per token and KV head (8 columns each)."""
+    return _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits, center_groups, num_kv_heads)[-1]
 
 
 def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
@@ -178,10 +186,19 @@ def decode_workspace_views(ws: torch.Tensor, num_tokens: int, num_q_heads: int, 
     log-sum-exps [splits, T, Hq] (fp32), rotated queries [T, Hq, d] (fp16), centering operands [T, Hq, 2, d] (fp16)
     and scales [T, Hq] (fp32)."""
     tq, hq, d, s = num_tokens, num_q_heads, head_dim, num_splits
-    o_off, l_off, q_off, c_off, s_off, end = _workspace_sections(tq, hq, d, s)
+    o_off, l_off, q_off, c_off, s_off, _, _ = _workspace_sections(tq, hq, d, s)
     return (ws[o_off : o_off + s * tq * hq * d].view(s, tq, hq, d), ws[l_off : l_off + s * tq * hq].view(s, tq, hq),
             ws[q_off:c_off].view(torch.float16)[: tq * hq * d].view(tq, hq, d),
-            ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d), ws[s_off:end].view(tq, hq))
+            ws[c_off : c_off + tq * hq * d].view(torch.float16).view(tq, hq, 2, d),
+            ws[s_off : s_off + tq * hq].view(tq, hq))
+
+
+def center_logits_view(ws: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int,
+                       center_groups: int, num_kv_heads: int) -> torch.Tensor:
+    """The centering logits' section of the workspace: [T, KV heads, center_groups, 8] fp32, a KV head's query
+    heads in the first columns of its 8 (``tq_center_logits_kernel``)."""
+    g_off, end = _workspace_sections(num_tokens, num_q_heads, head_dim, num_splits, center_groups, num_kv_heads)[-2:]
+    return ws[g_off:end].view(num_tokens, num_kv_heads, center_groups, 8)
 
 
 def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torch.Tensor, centering,
@@ -199,6 +216,41 @@ def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torc
         plan.softmax_scale / LN2, GQ=plan.group, GQP=triton.next_power_of_2(plan.group), D=d, D_PAD=d,
         ROT_HALF=centering.rot_half, NEOX=centering.neox, QL=ql, num_warps=4)
     return centering.page_cos16, centering.page_sin16, centering.num_pages
+
+
+def center_logits(plan, cwz: torch.Tensor, cscale: torch.Tensor, centering, logits: torch.Tensor) -> None:
+    """The centering logits of a decode batch (one query token per request) for every 16-token group of each
+    request's sequence into ``logits`` [T, KV heads, groups, 8] (``tq_center_logits_kernel``), from the operands
+    ``center_query_operands`` wrote: the attention adds them per group instead of computing them."""
+    from ..kernels.paged_decode_jit import tq_center_logits_kernel
+
+    hq, groups = plan.num_q_heads, logits.shape[2]
+    hb = min(max(triton.next_power_of_2(hq), 16), CENTER_LOGITS_HEADS)
+    grid = (plan.num_reqs, triton.cdiv(hq, hb), triton.cdiv(groups, CENTER_LOGITS_GROUPS))
+    tq_center_logits_kernel[grid](
+        cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), plan.query_start_loc, plan.seq_lens,
+        centering.page_cos16, centering.page_sin16, centering.num_pages, logits, logits.stride(0), logits.stride(1),
+        HQ=hq, GQ=plan.group, HB=hb, D=plan.layout.head_dim, PAGE=plan.layout.block_size, BG=CENTER_LOGITS_GROUPS,
+        num_warps=4)
+
+
+def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      centering, block_size: int, num_kv_heads: int, groups: int) -> torch.Tensor:
+    """Plain-torch ``center_logits`` in float64 from the same fp16 operands and tables: [T, KV heads, groups, 8], the
+    groups past a request's sequence and the columns past a KV head's query heads zero (the kernel leaves them
+    unwritten)."""
+    tq, hq, _, d = cwz.shape
+    gq = hq // num_kv_heads
+    out = torch.zeros(tq, num_kv_heads, groups, 8, dtype=torch.float64)
+    pc, ps = centering.page_cos16.double().cpu(), centering.page_sin16.double().cpu()
+    for r in range(seq_lens.shape[0]):
+        t = int(query_start_loc[r])
+        n = -(-int(seq_lens[r]) // 16)
+        rows = (torch.arange(n) * 16 // block_size).clamp(max=pc.shape[0] - 1)
+        w, z = cwz[t, :, 0].double().cpu(), cwz[t, :, 1].double().cpu()  # [Hq, d]
+        lg = (pc[rows] @ w.T + ps[rows] @ z.T) * cscale[t].double().cpu()[None, :]  # [n, Hq]
+        out[t, :, :n, :gq] = lg.view(n, num_kv_heads, gq).permute(1, 0, 2)
+    return out
 
 
 def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch.Tensor, torch.Tensor],

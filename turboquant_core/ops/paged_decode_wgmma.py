@@ -5,8 +5,10 @@ pages the store kernel writes.
 ``TQAttentionPlan`` takes this path where ``TQAttentionConfig.decode_kernel`` allows it (``"auto"``, the default, or
 ``"wgmma"``) and it serves the batch (``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of
 one segment each (k3v4), head_dim 128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on
-an sm_90 GPU. Keys stored with key centering get their page centres' score terms from a small fp16 warpgroup product
-per 1024 tokens.
+an sm_90 GPU. Keys stored with key centering get their page centres' score terms (logits) computed ahead for every
+16-token group of each sequence (``center_logits``, one more launch) where the workspace holds them; the attention
+copies each 1024-token block's logits into shared memory with the tile copies and adds 4 groups' worth per tile.
+Where they do not fit, the attention computes them itself, as a small fp16 warpgroup product per 1024 tokens.
 Elsewhere the plan keeps its other kernels. Three launches: the queries rotated into the kernel's key order
 (``tq_rotate_queries_kernel``), the attention (one warpgroup per request, KV head and split), and the split merge
 with the rotation back from the value order (``tq_merge_unrotate_kernel``). The keys, the query and the probabilities
@@ -30,6 +32,8 @@ from .paged_decode import (
     LN2,
     ROWS_PER_PROGRAM,
     _gluon_runs,
+    center_logits,
+    center_logits_view,
     center_query_operands,
     decode_workspace_views,
     merge_unrotate,
@@ -156,6 +160,15 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
     page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
+    # key centering: the logits of every 16-token group computed ahead where the workspace holds them (CENTER 2),
+    # else computed by the attention per 1024 tokens (CENTER 1)
+    center, logits, lstrides = 0, cscale, (0, 0)
+    if centering is not None:
+        center = 2 if plan.center_groups else 1
+        if center == 2:
+            logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
+            center_logits(plan, cwz, cscale, centering, logits)
+            lstrides = (logits.stride(0), logits.stride(1))
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
@@ -173,8 +186,9 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         *plan.wgmma_words,
         part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
         s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
+        logits, *lstrides,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
-        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=centering is not None,
+        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=center,
         num_warps=4,
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
