@@ -26,10 +26,10 @@ Aggregation. GPU activity of the profiled window (kernels, memcpy, memset) divid
 the first rule of FAMILY_RULES whose case-insensitive regex is found in the kernel name wins, in this order:
   memcpy / memset  "Memcpy ...", "Memset ..." (torch.profiler's names)
   KV store         reshape_and_cache*, concat_and_cache*, tq_paged_store_kernel, stock's _tq_fused_store_*
-  key centring     key_center* (tq_key_center_sums_kernel), tq_center_queries_kernel
-  split merge      tq_merge_splits_kernel, tq_merge_unrotate_kernel, FlashAttention's split-KV combine (FA2
-                   *splitkv_combine*, FA3 FlashAttnFwdCombine), merge_attn_states, Triton decode's _fwd_kernel_stage2
-                   (stock TurboQuant's too)
+  key centring     key_center* (tq_key_center_sums_kernel), tq_center_queries_kernel, tq_center_logits_kernel
+  split merge      tq_merge_splits_kernel, tq_merge_split_groups_kernel, tq_merge_unrotate_kernel, FlashAttention's
+                   split-KV combine (FA2 *splitkv_combine*, FA3 FlashAttnFwdCombine), merge_attn_states, Triton
+                   decode's _fwd_kernel_stage2 (stock TurboQuant's too)
   attention        flash_fwd*, FlashAttn*, flash::*, fmha, tq_paged_attention_kernel, tq_paged_decode_kernel,
                    tq_rotate_queries_kernel, tq_paged_gather_dequant_kernel,
                    stock's _tq_decode_stage1 / _tq_full_dequant_kv, *paged_attention*, *unified_attention*, Triton
@@ -105,8 +105,8 @@ STEP_MARK = "tq_decode_step_"
 FAMILY_RULES: tuple[tuple[str, str], ...] = (
     ("memcpy", r"^mem(cpy|set)\b"),  # torch.profiler's names of copies and memsets: "Memcpy DtoH (...)"
     ("kv_store", r"reshape_and_cache|concat_and_cache|tq_paged_store|tq_fused_store|tq_mla_store"),
-    ("key_centering", r"key_?cent|center_queries"),  # the sums, and the queries' centring operands
-    ("split_merge", r"tq_merge_splits|tq_merge_unrotate|splitkv_combine|flash_fwd_combine|FlashAttnFwdCombine|"
+    ("key_centering", r"key_?cent|center_queries|center_logits"),  # the sums, the queries' operands, their logits
+    ("split_merge", r"tq_merge_split|tq_merge_unrotate|splitkv_combine|flash_fwd_combine|FlashAttnFwdCombine|"
                     r"merge_attn_states|fwd_kernel_stage2"),
     ("attention", r"flash_fwd|flashattn|flash::|fmha|tq_paged_attention|tq_paged_decode|tq_rotate_queries|"
                   r"tq_paged_gather_dequant|tq_decode_stage1|tq_mla_decode|tq_mla_gather|"

@@ -48,6 +48,8 @@ KERNELS = [
     ("tq_rotate_queries_kernel", "attention"),
     ("tq_merge_unrotate_kernel", "split_merge"),
     ("tq_center_queries_kernel", "key_centering"),
+    ("tq_center_logits_kernel", "key_centering"),
+    ("tq_merge_split_groups_kernel", "split_merge"),
     ("tq_paged_gather_dequant_kernel", "attention"),
     ("tq_merge_splits_kernel", "split_merge"),
     ("tq_paged_store_kernel", "kv_store"),
