@@ -115,18 +115,19 @@ def test_recorded_warmup_variants_compile_in_workers_and_load_from_the_cache(tmp
     res = _run_script(tmp_path, SCRIPT)
     first, second = res["first"], res["second"]
     # decode at 4 bits, head_dim 64: the store, the query rotation, the register-tile kernel (split and unsplit
-    # launches share it) and the merge (split and unsplit variants, and the first level of a merge of many splits)
+    # launches share it) and the merge (unsplit, 4 and 8 splits per load, and the first level of merges of many
+    # splits at 4 and 8 per load)
     assert res["names"] == sorted(["tq_paged_store_kernel", "tq_rotate_queries_kernel", "tq_paged_decode_kernel",
-                                   "tq_merge_unrotate_kernel", "tq_merge_unrotate_kernel",
-                                   "tq_merge_split_groups_kernel"])
-    assert first["variants"] == 6 and first["cached"] == 0
-    assert first["compiled"] == 6 and first["failed"] == [] and first["workers"] == 2
-    assert first["launchers"] == 6 and first["launcher_errors"] == []
+                                   "tq_merge_unrotate_kernel", "tq_merge_unrotate_kernel", "tq_merge_unrotate_kernel",
+                                   "tq_merge_split_groups_kernel", "tq_merge_split_groups_kernel"])
+    assert first["variants"] == 8 and first["cached"] == 0
+    assert first["compiled"] == 8 and first["failed"] == [] and first["workers"] == 2
+    assert first["launchers"] == 8 and first["launcher_errors"] == []
     assert res["files"] > 0
     assert all(res["cached"])
     # A second start finds every variant cached and starts no worker.
-    assert second["variants"] == 6 and second["cached"] == 6 and second["compiled"] == 0 and second["workers"] == 0
-    assert res["loaded"] == 6 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
+    assert second["variants"] == 8 and second["cached"] == 8 and second["compiled"] == 0 and second["workers"] == 0
+    assert res["loaded"] == 8 and res["compiled"] == [], "Triton's own compile path did not find the kernels"
     assert res["new_files"] == [], "Triton's compile path or launcher build did not find what the workers wrote"
 
 
@@ -203,7 +204,7 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     ``loading_from`` it loads from the directory compiled into."""
     res = _run_script(tmp_path, RECOMPILE_SCRIPT, unset=("TRITON_DISABLE_LINE_INFO",),
                       OTHER_CACHE_DIR=str(tmp_path / "other"))
-    assert res["ahead"] == 6
+    assert res["ahead"] == 8
     compiled, why = res["env"]
     assert compiled == ["tq_merge_unrotate_kernel"]
     assert why == ("tq_merge_unrotate_kernel: Triton's cache key differs from the variant compiled ahead in "
@@ -219,7 +220,7 @@ def test_a_variant_compiled_again_is_explained_by_its_key_or_cache_directory(tmp
     assert why == (f"tq_paged_store_kernel: same cache key and cache directory ({res['dir_ahead']}), yet not found "
                    "there"), why
     # the workers' keys are this process's, part by part; one that was not is named with the part it differs in
-    assert res["worker_keys"] == [True] * 6, res["worker_keys"]
+    assert res["worker_keys"] == [True] * 8, res["worker_keys"]
     theirs, here, (compiled, why) = res["worker"]
     assert compiled == ["tq_merge_unrotate_kernel"]
     assert why == ("tq_merge_unrotate_kernel: the worker that compiled it computed another cache key "
@@ -259,10 +260,10 @@ def test_workers_key_by_the_ptxas_this_process_keys_by(tmp_path):
     if other is None:
         pytest.skip("no ptxas of another version than Triton's own on this machine")
     res = _run_script(tmp_path, STALE_PTXAS_SCRIPT, unset=("TRITON_PTXAS_PATH",), OTHER_PTXAS=other)
-    assert res["compiled_ahead"] == 6 and res["keyed_unchanged"]
+    assert res["compiled_ahead"] == 8 and res["keyed_unchanged"]
     assert res["ptxas"] == {"TRITON_PTXAS_PATH": str(bundled)}
-    assert res["worker_keys"] == [True] * 6, res["worker_keys"]
-    assert res["loaded"] == 6 and res["compiled"] == [], res["compiled"]
+    assert res["worker_keys"] == [True] * 8, res["worker_keys"]
+    assert res["loaded"] == 8 and res["compiled"] == [], res["compiled"]
 
 
 def test_variants_compile_outside_the_directory_torch_inductor_points_triton_to(tmp_path, monkeypatch):

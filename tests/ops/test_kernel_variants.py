@@ -99,7 +99,7 @@ for n in (1, 3, 7, 16, 33, 64, 128, 300, 600):  # store: any number of tokens
                    center_sums=sums, **kept)
     tq_store(key[:n], value[:n], cache, torch.arange(n), layout, **cen)
 cen = {} if cent is None else dict(centering=cent)
-for reqs in (1, 2, 5, 16, 31, 64):  # decode, including CUDA-graph capture's long max_seq_len
+for reqs in (1, 2, 5, 8, 16, 31, 40, 64):  # decode, including CUDA-graph capture's long max_seq_len
     if cent is not None:  # a decode-only batch's store: sums first, then one pass
         tq_store(key[:reqs], value[:reqs], cache, torch.arange(reqs), layout, centering=cent,
                  query_start_loc=torch.arange(reqs + 1, dtype=torch.int32), seq_lens=seq[:reqs],
@@ -240,7 +240,7 @@ def test_warmup_covers_every_centred_serving_variant(case):
 def test_warmup_covers_every_wgmma_serving_variant(center):
     """On an H100 / H200 k3v4 decode at head_dim 128 takes the e4m3 warpgroup-MMA kernel: batches of every size,
     split count (16 at a long context) and table slice run the variants the warm-up compiled (its block table of one
-    column and split counts of 1, 2 and 17 once made variants that no serving batch reached)."""
+    column and split counts of 1, 2, 9 and 17 once made variants that no serving batch reached)."""
     wgmma = {"tq_rotate_queries_kernel", "tq_paged_decode_wgmma_kernel", "tq_merge_unrotate_kernel"}
     centred = {"tq_key_center_sums_kernel", "tq_center_queries_kernel"} if center else set()
     _check_coverage(_probe("keys", CASES[0], "wgmma", *(("center",) if center else ())),

@@ -155,14 +155,15 @@ paged_decode.run_decode(plan, q, u8, f16, torch.empty_like(q), None)
 
 
 @pytest.mark.parametrize("d,hq,tokens", [(128, 32, 2), (64, 9, 3)])
-@pytest.mark.parametrize("num_splits", [1, 3, 8, 13, 17, 40, 64])
+@pytest.mark.parametrize("num_splits", [1, 3, 5, 8, 13, 16, 17, 40, 64])
 @pytest.mark.parametrize("write_lse", [False, True])
 def test_split_merge_matches_its_reference(d, hq, tokens, num_splits, write_lse, device):
     """``merge_unrotate`` (on the CPU, Triton's interpreter runs its kernel): the splits' partial outputs weighted
     by their log2-sum-exps, the rotation back and the log-sum-exp, against float64 torch. Empty splits (-inf) hold
     NaN in the workspace, as a split the kernel never wrote may; rows whose splits are all empty come out zero,
-    -inf. 13 splits take two chunks of the kernel's 8, so the running maximum's rescaling is tested too; from 17
-    splits the merge runs in two levels (groups of 8, then the groups, read at 8 times the split stride)."""
+    -inf. 5 and 8 splits take two chunks of the kernel's 4, so the running maximum's rescaling is tested too; from 9
+    splits the merge runs in two levels (groups of 4, then the groups, read at 4 times the split stride), and from
+    17 in groups of 8."""
     g = torch.Generator().manual_seed(num_splits * 100 + d)
     rows = tokens * hq
     part_o = torch.randn(num_splits, tokens, hq, d, generator=g)

@@ -10,7 +10,7 @@ from .key_centering import KeyCentering
 from .kv_store import new_block_epochs, new_center_sums, new_center_tags, tq_store
 from .page_layout import PagedTQLayout
 from .paged_attention import PREFILL_MIN_QUERY_LEN, TQAttentionConfig, TQAttentionPlan, tq_gather_dequant
-from .paged_decode import MERGE_GROUPS_FROM, MERGE_SPLITS_PER_LOAD
+from .paged_decode import MERGE_GROUPS_FROM, MERGE_SPLITS_PER_LOAD, MERGE_WIDE_FROM
 
 
 def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int, num_kv_heads: int, *,
@@ -81,11 +81,12 @@ def warmup_kernels(cache: torch.Tensor, layout: PagedTQLayout, num_q_heads: int,
         tq_gather_dequant(cache, layout, block_table, seq_lens, seq_lens.new_tensor([0, bs]), rows, rows,
                           max_seq_len=bs, centering=centering, center_sums=sums)
         launches.append(dict(kernel="gather"))
-    # decode merges many splits in two levels (``paged_decode.merge_unrotate``)
-    many = 1 + MERGE_GROUPS_FROM * MERGE_SPLITS_PER_LOAD
+    # decode merges many splits in two levels, 4 or, past MERGE_WIDE_FROM splits, 8 per load
+    # (``paged_decode.merge_unrotate``)
+    grouped = (1 + MERGE_GROUPS_FROM * MERGE_SPLITS_PER_LOAD, 1 + MERGE_WIDE_FROM)
     for path, qlen, causal in runs:
         q = torch.zeros(qlen, num_q_heads, d, dtype=dtype, device=dev)
-        for splits in (1, 2, many) if path == "decode" else (1, 2):
+        for splits in (1, 2, *grouped) if path == "decode" else (1, 2):
             plan.plan(block_table, seq_lens.new_tensor([0, qlen]), seq_lens, num_tokens=qlen, max_query_len=qlen,
                       max_seq_len=bs, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
                       num_splits=splits)

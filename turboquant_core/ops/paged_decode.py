@@ -41,19 +41,29 @@ WAVE_FILL_SLACK = 0.05
 DECODE_PREFETCH = True
 ROWS_PER_PROGRAM = 32  # rows (token, head) per program of the query rotation
 # The split merge. Batches that split their KV ranges have few rows (token, head), so the merge runs on few programs
-# and its time is the chain of memory round trips: 16 rows per program (the fewest its rotation product takes) and 8
-# splits per round trip. An unsplit batch has many rows and nothing to merge: 32 rows per program
-# (benchmarks/results/2026-11-27-h100-split-merge/).
+# and its time is the chain of memory round trips: 16 rows per program (the fewest its rotation product takes), 8
+# warps, and 4 splits per round trip, 8 above MERGE_WIDE_FROM splits (a round trip of 8 takes about twice one of 4,
+# but one or a few long requests' 64 splits would otherwise wait on two levels of four). An unsplit batch has many
+# rows and nothing to merge: 32 rows per program, 4 warps (benchmarks/results/2026-11-27-h100-split-merge/ and
+# 2026-11-27-h100-centre-logits-ahead/).
 MERGE_ROWS_PER_PROGRAM = 16
-MERGE_SPLITS_PER_LOAD = 8
+MERGE_SPLITS_PER_LOAD = 4
+MERGE_SPLITS_PER_WIDE_LOAD = 8
+MERGE_WIDE_FROM = 16
+MERGE_WARPS = 8
 UNSPLIT_ROWS_PER_PROGRAM = 32
 # The centering logits (``center_logits``): a program multiplies BG 16-token groups' table rows with HB heads'
 # operands, so each row is read once per request for up to HB heads.
 CENTER_LOGITS_GROUPS = 64
 CENTER_LOGITS_HEADS = 32
-# More than this many loads' worth of splits are merged in two levels: groups of MERGE_SPLITS_PER_LOAD side by side,
-# then the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
+# More than this many loads' worth of splits are merged in two levels: groups of one load's splits side by side, then
+# the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
 MERGE_GROUPS_FROM = 2
+
+
+def merge_splits_per_load(num_splits: int) -> int:
+    """Splits the merge takes per round trip for a batch of ``num_splits`` splits."""
+    return MERGE_SPLITS_PER_WIDE_LOAD if num_splits > MERGE_WIDE_FROM else MERGE_SPLITS_PER_LOAD
 
 
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
@@ -261,12 +271,12 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
 
     write_lse = lse is not None
     lse_arg = lse if write_lse else out
-    sc = MERGE_SPLITS_PER_LOAD
+    sc = merge_splits_per_load(num_splits)
     stride_pos, stride_pls = part_o.stride(0), part_l.stride(0)
     if num_splits > MERGE_GROUPS_FROM * sc:
         tq_merge_split_groups_kernel[(triton.cdiv(rows, MERGE_ROWS_PER_PROGRAM), triton.cdiv(num_splits, sc))](
             part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1), rows,
-            num_splits, HQ=num_q_heads, DP=head_dim, BR=MERGE_ROWS_PER_PROGRAM, SC=sc, num_warps=4)
+            num_splits, HQ=num_q_heads, DP=head_dim, BR=MERGE_ROWS_PER_PROGRAM, SC=sc, num_warps=MERGE_WARPS)
         num_splits, stride_pos, stride_pls = triton.cdiv(num_splits, sc), stride_pos * sc, stride_pls * sc
     one = num_splits == 1
     br = UNSPLIT_ROWS_PER_PROGRAM if one else MERGE_ROWS_PER_PROGRAM
@@ -274,7 +284,7 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
         part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, num_splits,
         v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=sc,
-        ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4)
+        ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4 if one else MERGE_WARPS)
 
 
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,
