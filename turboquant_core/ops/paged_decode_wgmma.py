@@ -6,7 +6,7 @@ pages the store kernel writes.
 ``"wgmma"``) and it serves the batch (``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of
 one segment each (k3v4), head_dim 128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on
 an sm_90 GPU. Keys stored with key centering get their page centres' score terms (logits) computed ahead for every
-16-token group of each sequence (``center_logits``, in place of the queries' centering operands) where the workspace holds them; the attention
+16-token group of each sequence (``center_logits``, one more launch) where the workspace holds them; the attention
 copies each 1024-token block's logits into shared memory with the tile copies and adds 4 groups' worth per tile.
 Where they do not fit, the attention computes them itself, as a small fp16 warpgroup product per 1024 tokens.
 Elsewhere the plan keeps its other kernels. Three launches: the queries rotated into the kernel's key order
@@ -159,19 +159,16 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
-    # key centering: the logits of every 16-token group computed ahead, from the queries and the first-page sums,
-    # where the workspace holds them (CENTER 2); else the queries' centering operands, from which the attention
-    # computes them per 1024 tokens (CENTER 1)
+    page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
+    # key centering: the logits of every 16-token group computed ahead where the workspace holds them (CENTER 2),
+    # else computed by the attention per 1024 tokens (CENTER 1)
     center, logits, lstrides = 0, cscale, (0, 0)
-    page_cos, page_sin, num_pages = cscale, cscale, 1
-    if centering is not None and plan.center_groups:
-        center = 2
-        logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
-        center_logits(plan, q, centering, center_sums, logits)
-        lstrides = (logits.stride(0), logits.stride(1))
-    elif centering is not None:
-        center = 1
-        page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
+    if centering is not None:
+        center = 2 if plan.center_groups else 1
+        if center == 2:
+            logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
+            center_logits(plan, cwz, cscale, centering, logits)
+            lstrides = (logits.stride(0), logits.stride(1))
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
