@@ -155,32 +155,16 @@ def _first_page_sums(CACHE, CACHE16, base, KROT_HI, KROT_LO, KCENT0, KCENT1, POS
     return u * (1.0 / (PAGE - 1)), v * (1.0 / (PAGE - 1))
 
 
-# The batch's metadata pointers change with the batch; TAGS is a per-layer slice of one allocation, whose
-# offset need not keep 16-byte alignment: one compiled variant for all of them.
-@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS", "TAGS"])
-def tq_key_center_sums_kernel(
-    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
-    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
-    TAGS, stride_tr, stride_th, EPOCHS,
-    D_PAD: tl.constexpr, PAGE: tl.constexpr,
-    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
-    BEFORE_STORE: tl.constexpr, CACHED: tl.constexpr,
-):
-    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (``_first_page_sums``; zeros until that
-    page is full). ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first
-    page counts once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
-
-    ``CACHED``: SUMS persists across steps (one buffer per layer) and TAGS[r, h] = (block, epoch) names what
-    its row holds: the sums of first block ``block`` as of EPOCHS[block], a counter the centred store bumps for
-    every first-page token it writes into that block. A full first page whose tag matches is skipped (the
-    row's sums are those bytes' sums already); any other is recomputed and tagged, a page that is not full
-    gets zeros and the invalid tag (-1, 0). Rows may change requests between steps and blocks may be reused:
-    the tag names the block and its contents, not the request. Without ``CACHED`` every row is recomputed
-    (TAGS, EPOCHS unused)."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
+@triton.jit
+def _center_sums_row(req, head, CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
+                     KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
+                     TAGS, stride_tr, stride_th, EPOCHS,
+                     D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                     KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+                     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+                     K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
+                     BEFORE_STORE: tl.constexpr, CACHED: tl.constexpr):
+    """Row (req, head) of ``tq_key_center_sums_kernel``: its first page's sums, or zeros, and its tag."""
     full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
     page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
     out = SUMS + req.to(tl.int64) * stride_sr + head * stride_sh
@@ -205,3 +189,33 @@ def tq_key_center_sums_kernel(
         if CACHED:
             tl.store(tag, tl.where(full, page, -1).to(tl.int32))
             tl.store(tag + 1, tl.where(full, epoch, 0).to(tl.int32))
+
+
+# The batch's metadata pointers change with the batch; TAGS is a per-layer slice of one allocation, whose
+# offset need not keep 16-byte alignment: one compiled variant for all of them.
+@triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS", "TAGS"])
+def tq_key_center_sums_kernel(
+    CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
+    KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
+    TAGS, stride_tr, stride_th, EPOCHS,
+    D_PAD: tl.constexpr, PAGE: tl.constexpr,
+    KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
+    KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
+    K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
+    BEFORE_STORE: tl.constexpr, CACHED: tl.constexpr,
+):
+    """Grid (R, Hkv): SUMS[r, h] = (U, V) of the first page of request r (``_first_page_sums``; zeros until that
+    page is full). ``BEFORE_STORE``: launched before this step's tokens (one per request) are stored, so a first
+    page counts once it was full before the step (seq_len - 1 >= PAGE); otherwise after them (seq_len >= PAGE).
+
+    ``CACHED``: SUMS persists across steps (one buffer per layer) and TAGS[r, h] = (block, epoch) names what
+    its row holds: the sums of first block ``block`` as of EPOCHS[block], a counter the centred store bumps for
+    every first-page token it writes into that block. A full first page whose tag matches is skipped (the
+    row's sums are those bytes' sums already); any other is recomputed and tagged, a page that is not full
+    gets zeros and the invalid tag (-1, 0). Rows may change requests between steps and blocks may be reused:
+    the tag names the block and its contents, not the request. Without ``CACHED`` every row is recomputed
+    (TAGS, EPOCHS unused)."""
+    _center_sums_row(tl.program_id(0), tl.program_id(1), CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE,
+                     stride_bt, SEQ_LENS, KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr,
+                     stride_sh, k_rot_scale, TAGS, stride_tr, stride_th, EPOCHS, D_PAD, PAGE, KG0, KGP0, KB0, KG1,
+                     KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN, BEFORE_STORE, CACHED)
