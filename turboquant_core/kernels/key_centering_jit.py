@@ -155,42 +155,6 @@ def _first_page_sums(CACHE, CACHE16, base, KROT_HI, KROT_LO, KCENT0, KCENT1, POS
     return u * (1.0 / (PAGE - 1)), v * (1.0 / (PAGE - 1))
 
 
-@triton.jit
-def _center_sums_row(req, head, CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
-                     KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
-                     TAGS, stride_tr, stride_th, EPOCHS,
-                     D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                     KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-                     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-                     K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr,
-                     BEFORE_STORE: tl.constexpr, CACHED: tl.constexpr):
-    """Row (req, head) of ``tq_key_center_sums_kernel``: its first page's sums, or zeros, and its tag."""
-    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
-    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
-    out = SUMS + req.to(tl.int64) * stride_sr + head * stride_sh
-    i = tl.arange(0, D_PAD)
-    if CACHED:
-        tag = TAGS + req.to(tl.int64) * stride_tr + head * stride_th
-        # a row that is not full may hold any block id (CUDA-graph padding rows): its epoch is not read
-        epoch = tl.load(EPOCHS + page, mask=full, other=0)
-        stale = (full == 0) | (tl.load(tag) != page) | (tl.load(tag + 1) != epoch)
-    else:
-        stale = True
-    if stale:
-        if full:
-            u, v = _first_page_sums(CACHE, CACHE16, page * stride_cb + head.to(tl.int64) * stride_ch, KROT_HI,
-                                    KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale, D_PAD, PAGE,
-                                    KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-        else:
-            u = tl.zeros((D_PAD,), tl.float32)
-            v = tl.zeros((D_PAD,), tl.float32)
-        tl.store(out + i, u)
-        tl.store(out + D_PAD + i, v)
-        if CACHED:
-            tl.store(tag, tl.where(full, page, -1).to(tl.int32))
-            tl.store(tag + 1, tl.where(full, epoch, 0).to(tl.int32))
-
-
 # The batch's metadata pointers change with the batch; TAGS is a per-layer slice of one allocation, whose
 # offset need not keep 16-byte alignment: one compiled variant for all of them.
 @triton.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "SEQ_LENS", "TAGS"])
@@ -215,7 +179,29 @@ def tq_key_center_sums_kernel(
     gets zeros and the invalid tag (-1, 0). Rows may change requests between steps and blocks may be reused:
     the tag names the block and its contents, not the request. Without ``CACHED`` every row is recomputed
     (TAGS, EPOCHS unused)."""
-    _center_sums_row(tl.program_id(0), tl.program_id(1), CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE,
-                     stride_bt, SEQ_LENS, KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr,
-                     stride_sh, k_rot_scale, TAGS, stride_tr, stride_th, EPOCHS, D_PAD, PAGE, KG0, KGP0, KB0, KG1,
-                     KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN, BEFORE_STORE, CACHED)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    full = tl.load(SEQ_LENS + req) - BEFORE_STORE >= PAGE
+    page = tl.load(BLOCK_TABLE + req.to(tl.int64) * stride_bt).to(tl.int64)
+    out = SUMS + req.to(tl.int64) * stride_sr + head * stride_sh
+    i = tl.arange(0, D_PAD)
+    if CACHED:
+        tag = TAGS + req.to(tl.int64) * stride_tr + head * stride_th
+        # a row that is not full may hold any block id (CUDA-graph padding rows): its epoch is not read
+        epoch = tl.load(EPOCHS + page, mask=full, other=0)
+        stale = (full == 0) | (tl.load(tag) != page) | (tl.load(tag + 1) != epoch)
+    else:
+        stale = True
+    if stale:
+        if full:
+            u, v = _first_page_sums(CACHE, CACHE16, page * stride_cb + head.to(tl.int64) * stride_ch, KROT_HI,
+                                    KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, k_rot_scale, D_PAD, PAGE,
+                                    KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN)
+        else:
+            u = tl.zeros((D_PAD,), tl.float32)
+            v = tl.zeros((D_PAD,), tl.float32)
+        tl.store(out + i, u)
+        tl.store(out + D_PAD + i, v)
+        if CACHED:
+            tl.store(tag, tl.where(full, page, -1).to(tl.int32))
+            tl.store(tag + 1, tl.where(full, epoch, 0).to(tl.int32))

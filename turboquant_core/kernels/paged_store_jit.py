@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .codec_jit import _mse_encode_rows, _rotate_rows
-from .key_centering_jit import _center_sums_row, _center_vectors, _token_page_rows, _token_positions
+from .key_centering_jit import _center_vectors, _token_page_rows, _token_positions
 
 
 @triton.jit
@@ -88,48 +88,8 @@ def _bump_epochs(EPOCHS, SLOTS, tok, rows, PAGE: tl.constexpr):
     tl.atomic_add(EPOCHS + blk, 1, mask=rows, sem="relaxed")
 
 
-@triton.jit
-def _sums_of_rows(req, has, head, CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS,
-                  KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale,
-                  TAGS, stride_tr, stride_th, EPOCHS,
-                  D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                  KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
-                  KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_EXACT: tl.constexpr,
-                  K_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, K_ROW: tl.constexpr, BN: tl.constexpr):
-    """``tq_key_center_sums_kernel``'s rows (requests ``req`` [BN] where ``has``, one KV head; sums kept across
-    steps), as that kernel launched before a single-token store (BEFORE_STORE) makes them: the rows' tags checked
-    at once; rows whose first page is not full zeroed and tagged invalid in one store, where not so already; a full
-    row with a stale tag recomputed on its own (rare in decode: the prefill that filled a first page summed it)."""
-    r64 = req.to(tl.int64)
-    full = has & (tl.load(SEQ_LENS + req, mask=has, other=0) - 1 >= PAGE)
-    i = tl.arange(0, D_PAD)
-    tag = TAGS + r64 * stride_tr + head * stride_th
-    t_blk = tl.load(tag, mask=has, other=-1)
-    t_epoch = tl.load(tag + 1, mask=has, other=0)
-    page = tl.load(BLOCK_TABLE + r64 * stride_bt, mask=full, other=0).to(tl.int64)
-    epoch = tl.load(EPOCHS + page, mask=full, other=0)
-    stale = full & ((t_blk != page) | (t_epoch != epoch))
-    empty = has & (full == 0) & ((t_blk != -1) | (t_epoch != 0))
-    out = SUMS + r64[:, None] * stride_sr + head * stride_sh + i[None, :]
-    tl.store(out, tl.zeros([BN, D_PAD], tl.float32), mask=empty[:, None])
-    tl.store(out + D_PAD, tl.zeros([BN, D_PAD], tl.float32), mask=empty[:, None])
-    tl.store(tag, tl.full([BN], -1, tl.int32), mask=empty)
-    tl.store(tag + 1, tl.zeros([BN], tl.int32), mask=empty)
-    if tl.max(stale.to(tl.int32), axis=0) > 0:
-        rows = tl.arange(0, BN)
-        for r in range(BN):
-            if tl.sum(((rows == r) & stale).to(tl.int32), axis=0) > 0:
-                _center_sums_row(tl.sum(tl.where(rows == r, req, 0), axis=0), head, CACHE, CACHE16, stride_cb,
-                                 stride_ch, BLOCK_TABLE, stride_bt, SEQ_LENS, KROT_HI, KROT_LO, KCENT0, KCENT1,
-                                 POS_COS, POS_SIN, SUMS, stride_sr, stride_sh, k_rot_scale, TAGS, stride_tr,
-                                 stride_th, EPOCHS, D_PAD, PAGE, KG0, KGP0, KB0, KG1, KGP1, KB1, K_EXACT,
-                                 K_IDX_OFF, K_SC_OFF, K_ROW, BN, 1, True)
-
-
-# The token count changes every step, the request count and the metadata pointers (the sums tags too: a per-layer
-# slice) with the batch: one variant.
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS", "BLOCK_TABLE", "stride_bt",
-                               "TAGS"])
+# The token count changes every step, the request count and the metadata pointers with the batch: one variant.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "QUERY_START", "SEQ_LENS"])
 def tq_paged_store_kernel(
     KEY, stride_kt, stride_kh, VALUE, stride_vt, stride_vh, SLOTS,
     CACHE, CACHE16, stride_cb, stride_ch,
@@ -137,7 +97,6 @@ def tq_paged_store_kernel(
     VROT_HI, VROT_LO, VROT_BF16, VLEV0, VBND0, VLEV1, VBND1,
     num_tokens, k_rot_scale, v_rot_scale, sqrt_d,
     QUERY_START, SEQ_LENS, num_reqs, SUMS, stride_sr, stride_sh, PAGE_COS, PAGE_SIN, num_pages, EPOCHS,
-    BLOCK_TABLE, stride_bt, TAGS, stride_tr, stride_th, KCENT0, KCENT1, POS_COS, POS_SIN,
     D: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
     K_FP8: tl.constexpr, KG0: tl.constexpr, KGP0: tl.constexpr, KB0: tl.constexpr,
     KG1: tl.constexpr, KGP1: tl.constexpr, KB1: tl.constexpr, K_NC: tl.constexpr, K_EXACT: tl.constexpr,
@@ -146,7 +105,7 @@ def tq_paged_store_kernel(
     K_IDX_OFF: tl.constexpr, V_IDX_OFF: tl.constexpr, K_SC_OFF: tl.constexpr, V_SC_OFF: tl.constexpr,
     K_ROW: tl.constexpr, V_ROW: tl.constexpr,
     BN: tl.constexpr, CENTER_MODE: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BUMP_EPOCHS: tl.constexpr, SUMS_HERE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BUMP_EPOCHS: tl.constexpr,
 ):
     """Tokens [T, Hkv, D] of K and V -> their pages. Grid (cdiv(T, BN), Hkv, 2): keys, then values, in
     separate programs (decode batches have few tokens: twice the programs, half the latency chain each; one
@@ -161,11 +120,7 @@ def tq_paged_store_kernel(
 
     ``BUMP_EPOCHS`` (modes 1 and 3): EPOCHS[block] += 1 for every first-page key stored into ``block``, so that
     sums kept across steps (``tq_key_center_sums_kernel``, ``CACHED``) see that the page changed; counted in the
-    head-0 program, once per token.
-
-    ``SUMS_HERE`` (mode 3, sums kept across steps): the key program first makes the sums rows of its tokens'
-    requests, as ``tq_key_center_sums_kernel`` launched before the store would (``CACHED``; BLOCK_TABLE, TAGS and
-    the decoding tables KCENT0 / KCENT1, POS_COS / POS_SIN): one launch fewer per decode step."""
+    head-0 program, once per token."""
     tok = tl.program_id(0) * BN + tl.arange(0, BN)
     head = tl.program_id(1)
     tmask = tok < num_tokens
@@ -187,12 +142,6 @@ def tq_paged_store_kernel(
             k_plain = ok & (pos >= 0) & (pos < PAGE)
         if CENTER_MODE >= 2:
             k_later = ok & (pos >= PAGE)
-        if SUMS_HERE:  # one token per request: each (request, head) row is made by one program
-            _sums_of_rows(req, ok & (pos >= 0), head, CACHE, CACHE16, stride_cb, stride_ch, BLOCK_TABLE, stride_bt,
-                          SEQ_LENS, KROT_HI, KROT_LO, KCENT0, KCENT1, POS_COS, POS_SIN, SUMS, stride_sr, stride_sh,
-                          k_rot_scale, TAGS, stride_tr, stride_th, EPOCHS, D_PAD, PAGE, KG0, KGP0, KB0, KG1, KGP1,
-                          KB1, K_EXACT, K_IDX_OFF, K_SC_OFF, K_ROW, BN)
-            tl.debug_barrier()  # the rows' sums, written by some of the program's threads, read by others below
         # Mode 3 runs both key passes in one program; a decode tile usually has rows for one of them only, so a pass
         # with no row to store is skipped (a run-time branch on the tile) rather than encoded fully masked.
         if CENTER_MODE != 2:  # keys stored as they are: every key (mode 0), first-page keys (modes 1, 3)

@@ -141,11 +141,9 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
 
     ``single_token_requests`` (a host fact, e.g. a decode-only batch): every request has at most one new
     token, so no request stores a later token while its first page fills; the sums are then taken first,
-    from the pages of earlier steps (with ``center_tags``, by the store's own key programs, each checking its tokens'
-    requests' rows before storing them), and K and V are stored in one launch (one or two instead of three). Same
-    bytes; a request whose
-    first page fills in this very step gets zero sums, which its attention (first page only, stored plain) does
-    not use."""
+    from the pages of earlier steps, and K and V are stored in one launch (two instead of three). Same
+    bytes; a request whose first page fills in this very step gets zero sums, which its attention (first
+    page only, stored plain) does not use."""
     _check_kv(key, "key", layout)
     _check_kv(value, "value", layout)
     if value.shape != key.shape:
@@ -171,13 +169,7 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
     vlev0, vbnd0, vlev1, vbnd1 = vc.encode_tables()
     bn = 16  # rows per program: decode batches have few tokens, so more and shorter programs
 
-    cached = center_tags is not None
-    tags = (center_tags, center_tags.stride(0), center_tags.stride(1)) if cached else (f16, 0, 0)
-
     def launch(mode: int) -> None:
-        # single-token batches with sums kept across steps: the store's key programs check their rows' tags and make
-        # the few stale rows themselves (one launch fewer)
-        sums_here = mode == 3 and cached
         cargs, cconst = _centering_args(centering if mode else None, center_sums, f16)
         bump = block_epochs is not None and mode in (1, 3)  # the launches that store first-page keys
         grid = (triton.cdiv(num_tokens, bn), num_kv_heads, 1 if mode == 2 else 2)
@@ -190,13 +182,10 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
             vc.rot_hi, vc.rot_lo, vc.rot_bf16, vlev0, vbnd0, vlev1, vbnd1,
             num_tokens, kc.rot_scale, vc.rot_scale, math.sqrt(d),
             *((query_start_loc, seq_lens, block_table.shape[0]) if mode else (f16, f16, 0)), *cargs,
-            block_epochs if bump or sums_here else f16,
-            *((block_table, block_table.stride(0), *tags, kc.centroids[0], kc.centroids[-1], centering.pos_cos,
-               centering.pos_sin) if sums_here else (f16, 0, f16, 0, 0, f16, f16, f16, f16)),
+            block_epochs if bump else f16,
             D=d, D_PAD=kc.dim_pad, K_FP8=layout.key_is_fp8,
             K_NC=layout.fmt.key.norm_correction, V_NC=layout.fmt.value.norm_correction,
             BN=bn, CENTER_MODE=mode, SEARCH_STEPS=STORE_SEARCH_STEPS, BUMP_EPOCHS=bump,
-            SUMS_HERE=sums_here,
             num_warps=8 if mode == 3 else 4, **cconst,
             **kt.constexprs("K", layout.key_is_fp8), **vt.constexprs("V"), **layout.kernel_constexprs(),
         )
@@ -205,9 +194,8 @@ def tq_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_m
         launch(0)
         return None
     if single_token_requests:
-        if not cached:  # every row recomputed: in parallel, one program per row
-            _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, center_tags,
-                                block_epochs, before_store=True)
+        _launch_center_sums(u8, f16, layout, centering, block_table, seq_lens, center_sums, center_tags,
+                            block_epochs, before_store=True)
         launch(3)
         return center_sums
     launch(1)
