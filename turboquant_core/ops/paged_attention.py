@@ -54,6 +54,7 @@ from .page_layout import (
     _layout_tables,
 )
 from .paged_decode import (
+    CENTER_GROUP_TOKENS,
     DECODE_MAX_COLUMNS,
     DECODE_PROGRAMS_PER_SM,
     LN2,
@@ -238,7 +239,7 @@ class TQAttentionPlan:
                 self.decode_splits, self.decode_kernel = ds, "wgmma" if wgmma else "register-tile"
                 # With key centering the wgmma kernel reads each 16-token group's logits, computed ahead, where the
                 # workspace holds them next to the splits' outputs (``ops.paged_decode_wgmma``).
-                groups = triton.cdiv(max(max_seq_len, 1), 16)
+                groups = triton.cdiv(max(max_seq_len, 1), CENTER_GROUP_TOKENS)
                 if wgmma and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds, groups,
                                                      self.num_kv_heads) <= self.workspace.numel():
                     self.center_groups = groups

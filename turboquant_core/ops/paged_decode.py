@@ -52,10 +52,6 @@ MERGE_SPLITS_PER_WIDE_LOAD = 8
 MERGE_WIDE_FROM = 16
 MERGE_WARPS = 8
 UNSPLIT_ROWS_PER_PROGRAM = 32
-# The centering logits (``center_logits``): a program multiplies BG 16-token groups' table rows with HB heads'
-# operands, so each row is read once per request for up to HB heads.
-CENTER_LOGITS_GROUPS = 64
-CENTER_LOGITS_HEADS = 32
 # More than this many loads' worth of splits are merged in two levels: groups of one load's splits side by side, then
 # the groups, so that a batch of one or a few long requests (64 splits each) waits on two round trips, not eight.
 MERGE_GROUPS_FROM = 2
@@ -64,6 +60,14 @@ MERGE_GROUPS_FROM = 2
 def merge_splits_per_load(num_splits: int) -> int:
     """Splits the merge takes per round trip for a batch of ``num_splits`` splits."""
     return MERGE_SPLITS_PER_WIDE_LOAD if num_splits > MERGE_WIDE_FROM else MERGE_SPLITS_PER_LOAD
+
+
+# The centering logits (``center_logits``): one per CENTER_GROUP_TOKENS tokens (the wgmma decode tile's row groups),
+# whatever the page size; a program multiplies BG groups' table rows with HB heads' operands, so each row is read
+# once per request for up to HB heads.
+CENTER_GROUP_TOKENS = 16
+CENTER_LOGITS_GROUPS = 64
+CENTER_LOGITS_HEADS = 32
 
 
 def decode_path_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
@@ -255,8 +259,8 @@ def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: 
     pc, ps = centering.page_cos16.double().cpu(), centering.page_sin16.double().cpu()
     for r in range(seq_lens.shape[0]):
         t = int(query_start_loc[r])
-        n = -(-int(seq_lens[r]) // 16)
-        rows = (torch.arange(n) * 16 // block_size).clamp(max=pc.shape[0] - 1)
+        n = -(-int(seq_lens[r]) // CENTER_GROUP_TOKENS)
+        rows = (torch.arange(n) * CENTER_GROUP_TOKENS // block_size).clamp(max=pc.shape[0] - 1)
         w, z = cwz[t, :, 0].double().cpu(), cwz[t, :, 1].double().cpu()  # [Hq, d]
         lg = (pc[rows] @ w.T + ps[rows] @ z.T) * cscale[t].double().cpu()[None, :]  # [n, Hq]
         out[t, :, :n, :gq] = lg.view(n, num_kv_heads, gq).permute(1, 0, 2)
