@@ -200,11 +200,13 @@ def test_split_merge_matches_its_reference(d, hq, tokens, num_splits, write_lse,
                                                    (64, 8, 16, (300,)), (28, 4, 32, (1100, 33))])
 def test_center_logits_match_their_reference(hq, hkv, page, seq_lens, device):
     """``center_logits`` (on the CPU, Triton's interpreter runs its kernel): each request's query logits for every
-    16-token group of its sequence, in its KV head's columns, against float64 torch from the same fp16 operands;
-    groups past the table's end reuse its last row (700 tokens = 44 pages of a 32-row table), head blocks are masked
-    past the heads (9 of 16) or split (64 in two), 32-token pages give two groups each, and nothing is written past
-    a request's groups or a KV head's query heads (groups of 3 and 7 of 8 columns)."""
+    16-token group of its sequence, in its KV head's columns, against float64 torch from the fp16 operands
+    ``center_query_operands`` makes of the same queries and sums; groups past the table's end reuse its last row
+    (700 tokens = 44 pages of a 32-row table), head blocks are masked past the heads (9 of 16) or split (64 in two),
+    32-token pages give two groups each, and nothing is written past a request's groups or a KV head's query heads
+    (groups of 3 and 7 of 8 columns). The launch also writes the rotated queries."""
     from turboquant_core.ops.key_centering import key_centering_tables
+    from turboquant_core.ops.kv_store import new_center_sums
     from turboquant_core.ops.page_layout import paged_layout
     from turboquant_core.ops.paged_attention import TQAttentionPlan
 
@@ -218,12 +220,25 @@ def test_center_logits_match_their_reference(hq, hkv, page, seq_lens, device):
     plan = TQAttentionPlan(paged_layout("turboquant_k3v4_nc", d, page), hq, hkv, device, workspace_bytes=1 << 20)
     plan.plan(torch.zeros(reqs, 64, dtype=torch.int32, device=device), qsl.to(device), lens.to(device),
               num_tokens=reqs, max_query_len=1, max_seq_len=max(seq_lens))
-    cwz = (torch.randn(reqs, hq, 2, d, generator=g) * 0.3).to(torch.float16)
-    cscale = torch.rand(reqs, hq, generator=g) + 0.5
+    q = torch.randn(reqs, hq, d, generator=g).to(torch.bfloat16).to(device)
+    sums = new_center_sums(reqs, hkv, centering, "cpu")
+    sums.copy_(torch.randn(sums.shape, generator=g) * 3)
+    sums = sums.to(device)
     groups = -(-max(seq_lens) // 16) + 3
     logits = torch.full((reqs, hkv, groups, 8), float("nan"), device=device)
-    paged_decode.center_logits(plan, cwz.to(device), cscale.to(device), centering, logits)
-    want = paged_decode.center_logits_ref(cwz, cscale, qsl, lens, centering, page, hkv, groups)
+    # the same launch rotates the queries, as tq_rotate_queries_kernel does
+    rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].contiguous()
+    hi = rot.to(torch.float16)
+    lo = (rot - hi.double()).to(torch.float16)
+    qrot = torch.full((reqs, hq, d), float("nan"), dtype=torch.float16, device=device)
+    paged_decode.center_logits(plan, q, centering, sums, logits, rotate=((hi.to(device), lo.to(device)), qrot, 0.7,
+                                                                         False))
+    want_qrot = q.double().cpu() @ rot.T * 0.7
+    torch.testing.assert_close(qrot.cpu().double(), want_qrot, rtol=2e-3, atol=2e-3 * want_qrot.abs().max().item())
+    cwz = torch.empty(reqs, hq, 2, d, dtype=torch.float16, device=device)
+    cscale = torch.empty(reqs, hq, device=device)
+    paged_decode.center_query_operands(plan, q, cwz, cscale, centering, sums)
+    want = paged_decode.center_logits_ref(cwz.cpu(), cscale.cpu(), qsl, lens, centering, page, hkv, groups)
     valid = ((torch.arange(groups)[None, :] < -(-lens[:, None] // 16))[:, None, :, None]
              & (torch.arange(8) < gq)).expand(-1, hkv, -1, -1)
     got = logits.cpu().double()

@@ -88,10 +88,16 @@ def _token_positions(tok, tmask, QUERY_START, SEQ_LENS, num_reqs, STEPS: tl.cons
 def _center_query_operands(q, SUMS, sums_off, center_scale, D_PAD: tl.constexpr, ROT_HALF: tl.constexpr,
                            NEOX: tl.constexpr):
     """Once per program: w = q * mu, z = q * mup (times ``center_scale``) as fp16 tensor-core operands,
-    each row divided by a power of two (returned, [M] fp32) that keeps it in fp16 range."""
+    each row divided by a power of two (returned, [M] fp32) that keeps it in fp16 range. A scalar ``sums_off``
+    gives every row of q the same sums, a column [M, 1] each row its own."""
     mu, mup = _center_vectors(SUMS, sums_off, D_PAD, ROT_HALF, NEOX)
-    w = q * (mu * center_scale)[None, :]
-    z = q * (mup * center_scale)[None, :]
+    mu = mu * center_scale
+    mup = mup * center_scale
+    if len(mu.shape) == 1:
+        mu = mu[None, :]
+        mup = mup[None, :]
+    w = q * mu
+    z = q * mup
     amax = tl.maximum(tl.max(tl.abs(w), axis=1), tl.max(tl.abs(z), axis=1))
     row_scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
     inv = 1.0 / row_scale

@@ -455,31 +455,44 @@ def tq_center_queries_kernel(Q, stride_qt, stride_qh, QUERY_START, SUMS, stride_
 
 
 @triton.jit(do_not_specialize=["QUERY_START", "SEQ_LENS", "num_pages", "stride_lt", "stride_lh"])
-def tq_center_logits_kernel(CWZ, stride_ct, stride_ch, CSCALE, stride_st, QUERY_START, SEQ_LENS, PAGE_COS16,
-                            PAGE_SIN16, num_pages, LOGITS, stride_lt, stride_lh,
+def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS, stride_sr, stride_sh, center_scale,
+                            PAGE_COS16, PAGE_SIN16, num_pages, LOGITS, stride_lt, stride_lh,
+                            ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, rot_scale,
                             HQ: tl.constexpr, GQ: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
-                            PAGE: tl.constexpr, BG: tl.constexpr):
+                            PAGE: tl.constexpr, BG: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
+                            ROTATE: tl.constexpr, EXACT: tl.constexpr):
     """Grid (requests, head blocks of HB, blocks of BG 16-token groups): the key-centering logits of each request's
     query token (its last; one per request) for the 16-token groups of its sequence,
-    LOGITS[t, h // GQ, g, h % GQ] = CSCALE[t, h] * (w . PC[p] + z . PS[p]) with p = g * 16 // PAGE the group's page
-    (w, z = CWZ[t, h, 0 / 1] from ``tq_center_queries_kernel``; PC / PS the fp16 page tables, ``num_pages`` rows, the
-    last reused past its end), for g < cdiv(seq_len, 16), as fp16 products with fp32 sums. The last dimension holds 8
-    columns, of which a KV head's GQ are written. A block of BG groups reads its table rows once for HB heads."""
+    LOGITS[t, h // GQ, g, h % GQ] = s * (w . PC[p] + z . PS[p]) with p = g * 16 // PAGE the group's page: w, z and
+    the row scale s of head h's query as ``tq_center_queries_kernel`` makes them (``_center_query_operands``, from the
+    request's first-page sums), PC / PS the fp16 page tables (``num_pages`` rows, the last reused past its end), for
+    g < cdiv(seq_len, 16), as fp16 products with fp32 sums. The last dimension holds 8 columns, of which a KV head's
+    GQ are written. A block of BG groups reads its table rows once for HB heads.
+
+    ``ROTATE``: the first group block's programs also write the heads' queries as ``tq_rotate_queries_kernel``
+    does, (R q) * rot_scale in fp16 to QROT, so that the decode takes one launch fewer."""
     req = tl.program_id(0)
+    tok = tl.load(QUERY_START + req).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    hmask = h < HQ
+    i = tl.arange(0, D)
+    q = tl.load(Q + tok * stride_qt + h[:, None] * stride_qh + i[None, :], mask=hmask[:, None], other=0.0)
+    if ROTATE:
+        if tl.program_id(2) == 0:  # (before the return below: a request without tokens still gets its rows)
+            qr = _rotate_rows(q.to(tl.float32), ROT_HI, ROT_LO, 0, D, D, EXACT) * rot_scale
+            tl.store(QROT + tok * stride_rt + h[:, None] * stride_rh + i[None, :], qr.to(tl.float16),
+                     mask=hmask[:, None])
     groups = tl.cdiv(tl.load(SEQ_LENS + req), 16)
     if tl.program_id(2) * BG >= groups:
         return
     g = tl.program_id(2) * BG + tl.arange(0, BG)
-    tok = tl.load(QUERY_START + req).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)
-    i = tl.arange(0, D)
+    sums_off = req.to(tl.int64) * stride_sr + (tl.minimum(h, HQ - 1) // GQ * stride_sh)[:, None]
+    w, z, row_scale = _center_query_operands(q.to(tl.float32), SUMS, sums_off, center_scale, D, ROT_HALF, NEOX)
     row = tl.minimum(g * 16 // PAGE, num_pages - 1).to(tl.int64)[:, None] * D + i[None, :]
-    wz = CWZ + tok * stride_ct + h[None, :] * stride_ch + i[:, None]  # [D, HB]
-    acc = tl.dot(tl.load(PAGE_COS16 + row), tl.load(wz, mask=(h < HQ)[None, :], other=0.0))
-    acc = tl.dot(tl.load(PAGE_SIN16 + row), tl.load(wz + D, mask=(h < HQ)[None, :], other=0.0), acc)
-    scale = tl.load(CSCALE + tok * stride_st + h, mask=h < HQ, other=0.0)
+    acc = tl.dot(tl.load(PAGE_COS16 + row), tl.trans(w))
+    acc = tl.dot(tl.load(PAGE_SIN16 + row), tl.trans(z), acc)
     tl.store(LOGITS + tok * stride_lt + (h // GQ * stride_lh + h % GQ)[None, :] + g[:, None] * 8,
-             acc * scale[None, :], mask=(g < groups)[:, None] & (h < HQ)[None, :])
+             acc * row_scale[None, :], mask=(g < groups)[:, None] & hmask[None, :])
 
 
 @triton.jit

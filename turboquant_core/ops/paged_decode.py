@@ -232,20 +232,26 @@ def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torc
     return centering.page_cos16, centering.page_sin16, centering.num_pages
 
 
-def center_logits(plan, cwz: torch.Tensor, cscale: torch.Tensor, centering, logits: torch.Tensor) -> None:
+def center_logits(plan, q: torch.Tensor, centering, center_sums: torch.Tensor, logits: torch.Tensor,
+                  rotate: tuple | None = None) -> None:
     """The centering logits of a decode batch (one query token per request) for every 16-token group of each
-    request's sequence into ``logits`` [T, KV heads, groups, 8] (``tq_center_logits_kernel``), from the operands
-    ``center_query_operands`` wrote: the attention adds them per group instead of computing them."""
+    request's sequence into ``logits`` [T, KV heads, groups, 8] (``tq_center_logits_kernel``), from the queries and
+    the requests' first-page sums: the attention adds them per group instead of computing them. ``rotate`` =
+    (rotation (hi, lo), qrot, scale, exact): the same launch writes the rotated queries, as
+    ``tq_rotate_queries_kernel`` would."""
     from ..kernels.paged_decode_jit import tq_center_logits_kernel
 
-    hq, groups = plan.num_q_heads, logits.shape[2]
+    hq, d, groups = plan.num_q_heads, plan.layout.head_dim, logits.shape[2]
     hb = min(max(triton.next_power_of_2(hq), 16), CENTER_LOGITS_HEADS)
     grid = (plan.num_reqs, triton.cdiv(hq, hb), triton.cdiv(groups, CENTER_LOGITS_GROUPS))
+    (rot_hi, rot_lo), qrot, rot_scale, exact = rotate if rotate is not None else ((logits, logits), logits, 1.0, True)
     tq_center_logits_kernel[grid](
-        cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), plan.query_start_loc, plan.seq_lens,
-        centering.page_cos16, centering.page_sin16, centering.num_pages, logits, logits.stride(0), logits.stride(1),
-        HQ=hq, GQ=plan.group, HB=hb, D=plan.layout.head_dim, PAGE=plan.layout.block_size, BG=CENTER_LOGITS_GROUPS,
-        num_warps=4)
+        q, q.stride(0), q.stride(1), plan.query_start_loc, plan.seq_lens, center_sums, center_sums.stride(0),
+        center_sums.stride(1), plan.softmax_scale / LN2, centering.page_cos16, centering.page_sin16,
+        centering.num_pages, logits, logits.stride(0), logits.stride(1),
+        rot_hi, rot_lo, qrot, qrot.stride(0), qrot.stride(1), rot_scale,
+        HQ=hq, GQ=plan.group, HB=hb, D=d, PAGE=plan.layout.block_size, BG=CENTER_LOGITS_GROUPS,
+        ROT_HALF=centering.rot_half, NEOX=centering.neox, ROTATE=rotate is not None, EXACT=exact, num_warps=4)
 
 
 def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -5,13 +5,14 @@ pages the store kernel writes.
 ``TQAttentionPlan`` takes this path where ``TQAttentionConfig.decode_kernel`` allows it (``"auto"``, the default, or
 ``"wgmma"``) and it serves the batch (``wgmma_decode_applies``): one query per request, 3-bit keys and 4-bit values of
 one segment each (k3v4), head_dim 128, a GQA group of at most 8, no sliding window, pages a multiple of 16 tokens, on
-an sm_90 GPU. Keys stored with key centering get their page centres' score terms (logits) computed ahead for every
-16-token group of each sequence (``center_logits``, one more launch) where the workspace holds them; the attention
-copies each 1024-token block's logits into shared memory with the tile copies and adds 4 groups' worth per tile.
-Where they do not fit, the attention computes them itself, as a small fp16 warpgroup product per 1024 tokens.
-Elsewhere the plan keeps its other kernels. Three launches: the queries rotated into the kernel's key order
+an sm_90 GPU. Three launches: the queries rotated into the kernel's key order
 (``tq_rotate_queries_kernel``), the attention (one warpgroup per request, KV head and split), and the split merge
-with the rotation back from the value order (``tq_merge_unrotate_kernel``). The keys, the query and the probabilities
+with the rotation back from the value order (``tq_merge_unrotate_kernel``). Keys stored with key centering get their
+page centres' score terms (logits) computed ahead for every 16-token group of each sequence where the workspace holds
+them (``center_logits``, which rotates the queries in the same launch); the attention copies each 1024-token block's
+logits into shared memory with the tile copies and adds 4 groups' worth per tile. Where they do not fit, one more
+launch makes the queries' centering operands, and the attention computes the terms itself, as a small fp16 warpgroup
+product per 1024 tokens. Elsewhere the plan keeps its other kernels. The keys, the query and the probabilities
 enter the products as e4m3: the key codebook and the value codebook's magnitudes rounded to e4m3, each query column
 at a power-of-two scale, P^T * v_scale at a power-of-two scale; ``wgmma_decode_reference`` computes the same thing
 in plain torch.
@@ -159,26 +160,30 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
-    page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
-    # key centering: the logits of every 16-token group computed ahead where the workspace holds them (CENTER 2),
-    # else computed by the attention per 1024 tokens (CENTER 1)
-    center, logits, lstrides = 0, cscale, (0, 0)
-    if centering is not None:
-        center = 2 if plan.center_groups else 1
-        if center == 2:
-            logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
-            center_logits(plan, cwz, cscale, centering, logits)
-            lstrides = (logits.stride(0), logits.stride(1))
+    # key centering: the logits of every 16-token group computed ahead, from the queries and the first-page sums,
+    # where the workspace holds them (CENTER 2); else the queries' centering operands, from which the attention
+    # computes them per 1024 tokens (CENTER 1)
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
     vrot = _ordered_rotation(f.value.bits, f.value_seed, str(q.device), True)
     rows = tq * hq
-    grid_rows = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
-    tq_rotate_queries_kernel[grid_rows](
-        q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows,
-        plan.softmax_scale * kt.codec.rot_scale / LN2 / cb.key_factor,
-        HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
+    q_scale = plan.softmax_scale * kt.codec.rot_scale / LN2 / cb.key_factor
+    center, logits, lstrides = 0, cscale, (0, 0)
+    page_cos, page_sin, num_pages = cscale, cscale, 1
+    if centering is not None and plan.center_groups:
+        # (the same launch rotates the queries)
+        center = 2
+        logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
+        center_logits(plan, q, centering, center_sums, logits, rotate=(krot, qrot, q_scale, kt.codec.exact_rot))
+        lstrides = (logits.stride(0), logits.stride(1))
+    else:
+        if centering is not None:
+            center = 1
+            page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
+        tq_rotate_queries_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+            q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows, q_scale,
+            HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
     plan.last_compiled = tq_paged_decode_wgmma_kernel[(plan.num_reqs, hkv, s)](
         qrot, qrot.stride(0), qrot.stride(1),
         cache_u8, cache_u8.stride(0), cache_u8.stride(1),
