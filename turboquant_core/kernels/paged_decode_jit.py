@@ -28,7 +28,6 @@ outputs stay in V order for ``tq_merge_unrotate_kernel``, which merges splits an
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -411,11 +410,8 @@ def tq_paged_decode_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, num_rows, scale,
                              HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
-                             BR: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows (token, head) of q [T, Hq, D] -> (R q) * scale in the decode kernel's K order, fp16 [T, Hq, DP].
-    ``PDL``: the attention after it may launch as soon as every program has started (it waits for this grid)."""
-    if PDL:
-        gdc_launch_dependents()
+                             BR: tl.constexpr):
+    """Rows (token, head) of q [T, Hq, D] -> (R q) * scale in the decode kernel's K order, fp16 [T, Hq, DP]."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
@@ -464,7 +460,7 @@ def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS
                             ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, rot_scale,
                             HQ: tl.constexpr, GQ: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, BG: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
-                            ROTATE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
+                            ROTATE: tl.constexpr, EXACT: tl.constexpr):
     """Grid (requests, head blocks of HB, blocks of BG 16-token groups): the key-centering logits of each request's
     query token (its last; one per request) for the 16-token groups of its sequence,
     LOGITS[t, h // GQ, g, h % GQ] = s * (w . PC[p] + z . PS[p]) with p = g * 16 // PAGE the group's page: w, z and
@@ -474,10 +470,7 @@ def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS
     GQ are written. A block of BG groups reads its table rows once for HB heads.
 
     ``ROTATE``: the first group block's programs also write the heads' queries as ``tq_rotate_queries_kernel``
-    does, (R q) * rot_scale in fp16 to QROT, so that the decode takes one launch fewer. ``PDL``: the attention after
-    it may launch as soon as every program has started (it waits for this grid before reading QROT and LOGITS)."""
-    if PDL:
-        gdc_launch_dependents()
+    does, (R q) * rot_scale in fp16 to QROT, so that the decode takes one launch fewer."""
     req = tl.program_id(0)
     tok = tl.load(QUERY_START + req).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -529,16 +522,12 @@ def _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, strid
 @triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_pos", "stride_pot", "stride_pls"])
 def tq_merge_split_groups_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt, num_rows, num_splits,
-    HQ: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr, SC: tl.constexpr, PDL: tl.constexpr = False,
+    HQ: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr, SC: tl.constexpr,
 ):
     """The first level of a merge of many splits, grid (row blocks, split groups): splits g SC .. g SC + SC - 1 of
     rows (token, head) merged into split g SC's own workspace (normalized output, log2-sum-exp), which
     ``tq_merge_unrotate_kernel`` then reads at SC times the split stride. A program reads its splits before it
-    writes the first of them, and no other program reads them. ``PDL``: launched as a programmatic dependent of
-    the attention, whose grid it waits for before reading."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    writes the first of them, and no other program reads them."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
@@ -560,7 +549,7 @@ def tq_merge_unrotate_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     ROT_HI, ROT_LO, OUT, stride_ot, stride_oh, LSE, stride_lh, num_rows, num_splits, v_rot_scale,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
-    BR: tl.constexpr, SC: tl.constexpr, ONE_SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
+    BR: tl.constexpr, SC: tl.constexpr, ONE_SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Rows (token, head): merge the splits' partial outputs (V order) by their log2-sum-exp, then rotate
     back once: out = (y R_V) * v_rot_scale, y scaled to max |y| = 1 first so the fp16 product operands
@@ -568,10 +557,7 @@ def tq_merge_unrotate_kernel(
 
     The splits come SC at a time: their log2-sum-exps in one load, their partial outputs in SC loads that wait
     for nothing (unrolled), merged into a running maximum; a merge waits on memory once per SC splits, not
-    twice per split. ``ONE_SPLIT`` (num_splits == 1): no merge, the partial output rotated back. ``PDL``: launched
-    as a programmatic dependent of the kernel before it, whose grid it waits for before reading."""
-    if PDL:
-        gdc_wait()
+    twice per split. ``ONE_SPLIT`` (num_splits == 1): no merge, the partial output rotated back."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
