@@ -271,14 +271,14 @@ def tq_paged_decode_wgmma_kernel(
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
     P_EXP: gl.constexpr, CENTER: gl.constexpr,
 ):
-    """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's
-    GQ <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the
-    log2 domain (``tq_rotate_queries_kernel``); each column is rounded to e4m3 at a power-of-two scale that puts its
-    largest value in [224, 448), divided out of its scores. CACHE: the uint8 pages (block stride ``stride_cb``, head
-    stride ``stride_ch``, bytes; page offsets ``K_IDX_OFF`` ... as ``PagedTQLayout``), head_dim 128, 3-bit keys,
-    4-bit values. P_EXP: P^T * v_scale is stored at 2^(P_EXP - e), e the running ceil(log2) of the largest value
-    scale. kt0 / kt1: the 8 key centroids as e4m3 bytes (entries 0-3, 4-7); vt0 / vt1: the value codebook's
-    8 magnitudes (entries 8-15) likewise. Writes the split's normalized output in ``WGMMA_VALUE_ORDER`` to
+    """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's GQ
+    <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the log2
+    domain (``tq_rotate_queries_kernel``, or the centring logits launch); each column is rounded to e4m3 at a
+    power-of-two scale that puts its largest value in [224, 448), divided out of its scores. CACHE: the uint8 pages
+    (block stride ``stride_cb``, head stride ``stride_ch``, bytes; page offsets ``K_IDX_OFF`` ... as ``PagedTQLayout``),
+    head_dim 128, 3-bit keys, 4-bit values. P_EXP: P^T * v_scale is stored at 2^(P_EXP - e), e the running ceil(log2) of
+    the largest value scale. kt0 / kt1: the 8 key centroids as e4m3 bytes (entries 0-3, 4-7); vt0 / vt1: the value
+    codebook's 8 magnitudes (entries 8-15) likewise. Writes the split's normalized output in ``WGMMA_VALUE_ORDER`` to
     PART_O[split, token, head, :128] and its log2-sum-exp to PART_L (-inf for a head that sees no token).
 
     ``CENTER`` (keys stored with key centering, ``ops.key_centering``): the scores of a token in page p get
