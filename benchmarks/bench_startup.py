@@ -9,13 +9,13 @@ request to show it serves), timed from the constructor's call to its return. A r
 cache root: vLLM's (``VLLM_CACHE_ROOT``: torch.compile, Inductor, and the Triton cache vLLM points ``TRITON_CACHE_DIR``
 at once torch.compile starts, where the TurboQuant variants then land too) and Triton's own (``TRITON_CACHE_DIR``, used
 before that). A cold run gets an empty root; a warm one reuses the root of the latest earlier run of the same NAME.
-Runs in the order given; by default:
+Runs in the order given, the results written after each (a run cut short keeps the rows before it); by default:
 
     bf16            cold
-    ours-k3v4/1     turboquant_k3v4_nc, cold, variants compiled in the engine process, one after another
-    ours-k3v4/0     cold, the automatic worker count (the default)
-    ours-k3v4/0     warm: over the caches the run before filled
-    bf16            warm: the baseline the warm TurboQuant start is compared with
+    bf16            warm: over the caches the run before filled; the baseline the others are compared with
+    ours-k3v4/0     turboquant_k3v4_nc, cold, the automatic worker count (the default)
+    ours-k3v4/0     warm
+    ours-k3v4/1     cold, variants compiled in the engine process, one after another
 
     python benchmarks/bench_startup.py --model benchmarks/configs/qwen3-8b --out startup.json
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_throughput import config_names, run_engine_process  # noqa: E402
 
-DEFAULT_RUNS = "bf16,ours-k3v4/1,ours-k3v4/0,ours-k3v4/0:warm,bf16:warm"
+DEFAULT_RUNS = "bf16,bf16:warm,ours-k3v4/0,ours-k3v4/0:warm,ours-k3v4/1"
 AHEAD_RE = re.compile(r"TurboQuant attention: (\d+) kernel variants, (\d+) already cached, (\d+) compiled "
                       r"\((\d+) with their launchers\) by (\d+) processes in ([\d.]+) s")
 LAUNCH_RE = re.compile(r"TurboQuant attention: (\d+) kernel launches in ([\d.]+) s \((\d+) variants loaded from the "
@@ -178,16 +178,26 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"[startup] {run['run']}: " + (f"{r['startup_s']:.1f} s" if "startup_s" in r else
                                              f"FAILED: {r.get('error', '')[-300:]}"), flush=True)
+        # after every run, so that a run cut short keeps the rows before it
+        table = write_results(out, args.model, argv, rows, planned=len(runs))
+    print(table)
+    return 0 if all("startup_s" in r for r in rows) else 1
+
+
+def write_results(out: Path, model: str, argv, rows: list[dict], planned: int) -> str:
+    """The JSON (date, device, command, model, rows, runs planned) and the markdown table of the runs so far;
+    returns the table."""
     import torch
 
     result = dict(date=dt.date.today().isoformat(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available()
                   else None, command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                  model=args.model, rows=rows)
-    out.write_text(json.dumps(result, indent=1))
+                  model=model, runs_planned=planned, rows=rows)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
     table = summarize(rows)
     out.with_suffix(".md").write_text(table + "\n")
-    print(table)
-    return 0 if all("startup_s" in r for r in rows) else 1
+    return table
 
 
 if __name__ == "__main__":

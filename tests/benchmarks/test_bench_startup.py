@@ -2,6 +2,8 @@
 """benchmarks/bench_startup.py without a GPU: its run names, and the numbers it reads from the engine log's
 TurboQuant lines (as turboquant_core.vllm.warmup writes them)."""
 
+import json
+
 import pytest
 
 from benchmarks import bench_startup
@@ -48,3 +50,18 @@ def test_summary_compares_with_the_last_warm_bf16_start():
 def test_a_warm_run_needs_an_earlier_run_of_its_config(tmp_path):
     with pytest.raises(SystemExit, match="no earlier ours-k3v4 run to take warm caches from"):
         bench_startup.main(["--model", "m", "--runs", "bf16,ours-k3v4:warm", "--out", str(tmp_path / "s.json")])
+
+
+def test_results_are_written_after_every_run(tmp_path):
+    """A run cut short keeps the rows before it: the JSON and table hold the runs so far and how many were planned,
+    and the JSON is replaced whole (written beside it, then renamed)."""
+    out = tmp_path / "startup.json"
+    rows = [dict(name="bf16", warm=False, compile_workers=None, startup_s=80.0)]
+    bench_startup.write_results(out, "m", ["--model", "m"], rows, planned=5)
+    rows.append(dict(name="bf16", warm=True, compile_workers=None, startup_s=21.0))
+    table = bench_startup.write_results(out, "m", ["--model", "m"], rows, planned=5)
+    res = json.loads(out.read_text())
+    assert res["runs_planned"] == 5 and [r["startup_s"] for r in res["rows"]] == [80.0, 21.0]
+    assert res["command"].endswith("--model m") and res["model"] == "m"
+    assert out.with_suffix(".md").read_text() == table + "\n" and table.splitlines()[-1].startswith("| bf16 | warm |")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["startup.json", "startup.md"]
