@@ -160,9 +160,6 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     tq, hq, hkv = q.shape[0], plan.num_q_heads, plan.num_kv_heads
     s = plan.decode_splits
     part_o, part_l, qrot, cwz, cscale = decode_workspace_views(plan.workspace, tq, hq, d, s)
-    # key centering: the logits of every 16-token group computed ahead, from the queries and the first-page sums,
-    # where the workspace holds them (CENTER 2); else the queries' centering operands, from which the attention
-    # computes them per 1024 tokens (CENTER 1)
     f = lay.fmt
     cb = layout_codebooks(lay)
     krot = _ordered_rotation(f.key.bits, f.key_seed, str(q.device), False)
@@ -171,8 +168,10 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     q_scale = plan.softmax_scale * kt.codec.rot_scale / LN2 / cb.key_factor
     center, logits, lstrides = 0, cscale, (0, 0)
     page_cos, page_sin, num_pages = cscale, cscale, 1
+    # key centering: the logits of every 16-token group computed ahead, from the queries and the first-page sums,
+    # where the workspace holds them (CENTER 2; that launch also rotates the queries); else the queries' centering
+    # operands, from which the attention computes them per 1024 tokens (CENTER 1)
     if centering is not None and plan.center_groups:
-        # (the same launch rotates the queries)
         center = 2
         logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
         center_logits(plan, q, centering, center_sums, logits, rotate=(krot, qrot, q_scale, kt.codec.exact_rot))
