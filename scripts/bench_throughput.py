@@ -534,7 +534,8 @@ def plot(rows: list[dict], baseline: str, path: Path) -> bool:
         axes[0].bar(xs, ratios, width, label=f"{s['input_len']} in / {s['output_len']} out / batch {s['batch']}")
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set_ylabel(f"output tok/s vs {baseline}")
-    axes[0].legend(fontsize=8)
+    # above the axes: inside, it covers the first config's bars
+    axes[0].legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.02), ncol=2, frameon=False)
     caps = [(r.get("kv_capacity_tokens") or 0) / (base.get("kv_capacity_tokens") or 1) for r in ok]
     axes[1].bar(range(len(ok)), caps, 0.6, color="tab:green")
     axes[1].set_ylabel(f"KV capacity (tokens) vs {baseline}")
