@@ -6,10 +6,16 @@ weights are read at against the GPU's copy bandwidth.
 
     python benchmarks/bench_linear.py --out linear.json
     python benchmarks/bench_linear.py --rows 1,8 --variants "mma_block_o=16;mma_programs_per_sm=16" --out v.json
+    python benchmarks/bench_linear.py --rows 1,8 --breakdown --out b.json
+
 
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
 variant sets launcher constants of ``ops.linear`` (mma_max_rows, mma_programs_per_sm, mma_block_o,
 mma_min_groups_per_split) for the study of its choices; the default variant is the shipped one.
+
+``--breakdown`` adds, per config, row count and shape, the device time of each kernel per layer (torch.profiler over
+eager runs of the same products) next to the graph's time: what the activation's rotation launch costs, and how much
+of the graph's time no kernel runs (launch gaps and tails).
 """
 
 from __future__ import annotations
@@ -63,23 +69,47 @@ def copy_gbps(device: str) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def bench(fmt: str, rows_list: list[int], layers: int, device: str) -> list[dict]:
-    """One row per (rows, shape) plus rows 'layer' (the four shapes of a decoder layer in sequence)."""
+def layer_weights(fmt: str, layers: int, device: str) -> dict[str, list]:
+    """SHAPES -> ``layers`` distinct weights each: bf16 tensors, or random TurboQuant weights of ``fmt``."""
     weights = {}
     for name, (o, i) in SHAPES.items():
         if fmt == "bf16":
             weights[name] = [torch.randn(o, i, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         else:
             weights[name] = [random_weight(fmt, o, i, device) for _ in range(layers)]
+    return weights
 
-    def nbytes(w):
-        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
 
-    def product(x, w):
-        if isinstance(w, torch.Tensor):
-            return torch.nn.functional.linear(x, w)
-        return linear_ops.tq_linear(x, w)
+def nbytes(w) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
 
+
+def product(x: torch.Tensor, w) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w)
+    return linear_ops.tq_linear(x, w)
+
+
+def kernel_times_us(fn, reps: int, per: int) -> dict[str, float]:
+    """Kernel name -> device microseconds per call of ``fn`` / ``per`` (``fn`` run ``reps`` times eagerly under
+    torch.profiler, after one run outside it)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.device_time / (reps * per)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def bench(fmt: str, rows_list: list[int], layers: int, device: str, breakdown: bool = False) -> list[dict]:
+    """One row per (rows, shape) plus rows 'layer' (the four shapes of a decoder layer in sequence); with
+    ``breakdown`` each row also holds ``kernels_us`` (``kernel_times_us`` per layer) and ``kernel_sum_us``."""
+    weights = layer_weights(fmt, layers, device)
     out = []
     for rows in rows_list:
         xs = {n: torch.randn(rows, i, device=device, dtype=torch.bfloat16) for n, (o, i) in SHAPES.items()}
@@ -93,8 +123,11 @@ def bench(fmt: str, rows_list: list[int], layers: int, device: str) -> list[dict
 
             ms = time_ms(run, graph=True)
             b = sum(nbytes(weights[n][k]) for n in names for k in range(layers))
-            out.append(dict(config=fmt, rows=rows, shape=name, us_per_layer=ms * 1e3 / layers,
-                            weight_gbps=b / ms / 1e6))
+            row = dict(config=fmt, rows=rows, shape=name, us_per_layer=ms * 1e3 / layers, weight_gbps=b / ms / 1e6)
+            if breakdown:
+                row["kernels_us"] = kernel_times_us(run, reps=10, per=layers)
+                row["kernel_sum_us"] = sum(row["kernels_us"].values())
+            out.append(row)
     return out
 
 
@@ -104,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,512")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--variants", default="", help="';'-separated knob sets, e.g. 'block_o=32;num_warps=8'")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also each kernel's device time per layer (torch.profiler), next to the graph's time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device = "cuda"
@@ -112,13 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     shipped = {k: getattr(linear_ops, v) for k, v in KNOBS.items()}
     res = dict(device=torch.cuda.get_device_name(), date=dt.date.today().isoformat(), command=" ".join(sys.argv),
                copy_gbps=copy_gbps(device), shipped=shipped, rows=[])
-    res["rows"] += bench("bf16", rows, args.layers, device)
+    res["rows"] += bench("bf16", rows, args.layers, device, args.breakdown)
     for variant in variants:
         for k, v in {**shipped, **variant}.items():
             setattr(linear_ops, KNOBS[k], v)
         for fmt in args.formats.split(","):
             try:
-                for r in bench(fmt, rows, args.layers, device):
+                for r in bench(fmt, rows, args.layers, device, args.breakdown):
                     res["rows"].append(dict(r, variant=variant))
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run (e.g. out of shared memory) is recorded
                 res.setdefault("failed", []).append(dict(config=fmt, variant=variant, error=repr(exc)[:500]))
@@ -140,6 +175,17 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
                      f"{r['us_per_layer']:.1f} | {base[(r['rows'], r['shape'])] / r['us_per_layer']:.2f} | "
                      f"{r['weight_gbps']:.0f} | {100 * r['weight_gbps'] / res['copy_gbps']:.0f} |")
+    split = [r for r in res["rows"] if "kernels_us" in r]
+    if split:
+        lines += ["", "Kernel time per layer (torch.profiler, eager) against the graph's: the rest is time no kernel "
+                  "runs.", "", "| config | variant | rows | shape | graph us | kernels us | not in a kernel | "
+                  "kernels (us) |", "|---|---|---:|---|---:|---:|---:|---|"]
+        for r in split:
+            v = ",".join(f"{k}={x}" for k, x in r.get("variant", {}).items()) or "shipped"
+            ks = "; ".join(f"{name[:48]} {us:.1f}" for name, us in r["kernels_us"].items())
+            lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
+                         f"{r['us_per_layer']:.1f} | {r['kernel_sum_us']:.1f} | "
+                         f"{r['us_per_layer'] - r['kernel_sum_us']:.1f} | {ks} |")
     lines += [f"\nfailed: {f['config']} {f['variant']}: {f['error']}" for f in res.get("failed", [])]
     return "\n".join(lines) + "\n"
 
