@@ -12,6 +12,12 @@ backward branch's body.
 
     python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --out decode-mix.json
     python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --centred --out decode-mix-centred.json
+    python benchmarks/sass_loop_mix.py --linear tq4 --rows 1,8,16 --out linear-mix.json
+
+``--linear FORMAT`` reads the weight product instead (``ops.linear``'s register-tile kernel, ``tq_linear_mma_kernel``):
+one variant per ``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, with CUDA's split-K choice
+for 132 SMs), its loop being one group of 128 inputs for the program's output rows; ``per_weight`` is the loop's
+instructions per thread times 32 over the weights one warp decodes per group.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WEIGHT_FORMATS = ("tq4", "tq3")  # formats.WEIGHT_FORMATS (not imported: this script runs without the package)
 SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
 # Pipes of the ops the decode loop issues (sm_90): ALU for logic, permutes, shifts, compares and integer adds; FMA for
 # float and integer multiply-adds; the uniform datapath for U* ops (one value per warp); the rest named by what they
@@ -70,6 +77,38 @@ for i, v in enumerate(v for v in found.values() if v.name == kernel):
 print(json.dumps(dict(kernels=names, cubins=out)))
 '''
 
+CHILD_LINEAR = r'''
+import json, sys
+import torch
+from triton.runtime.driver import driver
+
+from tests.ops.sm90_probe import Sm90Driver
+
+driver.set_active(Sm90Driver())
+from turboquant_core.formats import get_weight_format
+from turboquant_core.ops import linear
+from turboquant_core.ops.compile_ahead import compile_variant, recording_variants
+from turboquant_core.ops.weight_codec import TQWeight
+
+linear._gluon_runs = lambda device: True
+fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+f = get_weight_format(fmt)
+groups = f.groups(in_features)
+w = TQWeight(fmt, torch.zeros(out_features, groups, 16 * f.bits, dtype=torch.uint8),
+             torch.zeros(out_features, groups, dtype=torch.float16), in_features)
+out = []
+for rows in map(int, sys.argv[5].split(",")):
+    with recording_variants() as found:
+        linear.tq_linear(torch.zeros(rows, in_features, dtype=torch.bfloat16), w)
+    block_o, _ = linear.mma_tiles(rows)
+    for i, v in enumerate(v for v in found.values() if v.name == "tq_linear_mma_kernel"):
+        path = f"{prefix}-{rows}-{i}.cubin"
+        with open(path, "wb") as fh:
+            fh.write(compile_variant(v).asm["cubin"])
+        out.append(dict(rows=rows, block_o=block_o, cubin=path))
+print(json.dumps(dict(kernels=["tq_linear_mma_kernel"], variants=out)))
+'''
+
 
 def loop_mix(sass: str, innermost: bool = False) -> dict:
     """{instructions, ops: {op: count}, pipes: {pipe: count}} of the longest backward branch's body of one SASS
@@ -103,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--q-heads", type=int, default=32, help="query heads (Qwen3-8B: 32)")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads (Qwen3-8B: 8)")
     ap.add_argument("--centred", action="store_true", help="keys stored with key centering (the serving default)")
+    ap.add_argument("--linear", metavar="FORMAT", default=None, help="the weight product of tq4 or tq3 instead")
+    ap.add_argument("--rows", default="1,8,16", help="with --linear: activation rows, one variant each")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     import triton
@@ -110,6 +151,8 @@ def main(argv=None) -> int:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     scratch = tempfile.mkdtemp(prefix="sass-mix-")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=os.path.join(scratch, "c"))
+    if args.linear:
+        return linear_main(args, argv, cuobjdump, scratch, env)
     p = subprocess.run([sys.executable, "-c", CHILD, args.preset, str(args.head_dim), str(args.q_heads),
                         str(args.kv_heads), "1" if args.centred else "0", args.kernel, os.path.join(scratch, "k")],
                        env=env, capture_output=True, text=True, cwd=ROOT)
@@ -128,6 +171,35 @@ def main(argv=None) -> int:
         centred=args.centred, target="sm_90", variants=variants), indent=1))
     for i, v in enumerate(variants):
         print(f"{args.kernel} variant {i}: loop of {v['instructions']} instructions; pipes {v['pipes']}; "
+              f"ops {dict(list(v['ops'].items())[:10])}")
+    return 0
+
+
+def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
+    """``--linear``: the weight product's loop per activation row count (module docstring)."""
+    if args.linear not in WEIGHT_FORMATS:
+        raise SystemExit(f"unknown weight format {args.linear!r}; valid: {', '.join(WEIGHT_FORMATS)}")
+    out_features, in_features = 24576, 4096  # Qwen3-8B gate_up
+    p = subprocess.run([sys.executable, "-c", CHILD_LINEAR, args.linear, str(out_features), str(in_features),
+                        os.path.join(scratch, "k"), args.rows], env=env, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        raise SystemExit(p.stderr[-3000:])
+    found = json.loads(p.stdout.strip().splitlines()[-1])
+    variants = []
+    for v in found["variants"]:
+        sass = subprocess.run([cuobjdump, "-sass", v["cubin"]], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", v["cubin"]], capture_output=True, text=True, check=True).stdout
+        mix = loop_mix(sass)
+        regs = re.search(r"REG:(\d+)", res)
+        variants.append(dict(rows=v["rows"], block_o=v["block_o"], registers=int(regs.group(1)) if regs else None,
+                             per_weight=mix["instructions"] * 32 / (v["block_o"] * 128), **mix))
+    args.out.write_text(json.dumps(dict(
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        kernel="tq_linear_mma_kernel", format=args.linear, shape=[out_features, in_features], target="sm_90",
+        variants=variants), indent=1))
+    for v in variants:
+        print(f"tq_linear_mma_kernel {args.linear} rows {v['rows']}: {v['registers']} registers, loop of "
+              f"{v['instructions']} instructions per group ({v['per_weight']:.2f} per weight); pipes {v['pipes']}; "
               f"ops {dict(list(v['ops'].items())[:10])}")
     return 0
 

@@ -23,3 +23,14 @@ def test_the_longest_backward_branch_is_the_loop_and_its_ops_are_counted_by_pipe
     assert mix["ops"] == {"PRMT": 2, "LOP3": 1, "HMMA": 1, "BRA": 1}
     assert mix["pipes"] == {"alu": 3, "tensor": 1, "control": 1}
     assert loop_mix("        /*0000*/                   EXIT ;") == dict(instructions=0, ops={}, pipes={})
+
+
+def test_an_unknown_weight_format_is_refused_with_the_valid_ones(tmp_path):
+    import pytest
+
+    from benchmarks.sass_loop_mix import WEIGHT_FORMATS, main
+    from turboquant_core.formats import WEIGHT_FORMATS as TABLE
+
+    assert WEIGHT_FORMATS == tuple(TABLE)  # the script's copy of the format table's names
+    with pytest.raises(SystemExit, match="unknown weight format 'tq5'; valid: tq4, tq3"):
+        main(["--linear", "tq5", "--out", str(tmp_path / "mix.json")])
