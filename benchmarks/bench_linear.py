@@ -8,7 +8,6 @@ weights are read at against the GPU's copy bandwidth.
     python benchmarks/bench_linear.py --rows 1,8 --variants "mma_block_o=16;mma_programs_per_sm=16" --out v.json
     python benchmarks/bench_linear.py --rows 1,8 --breakdown --out b.json
 
-
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
 variant sets launcher constants of ``ops.linear`` (mma_max_rows, mma_programs_per_sm, mma_block_o,
 mma_min_groups_per_split) for the study of its choices; the default variant is the shipped one.

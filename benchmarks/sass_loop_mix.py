@@ -15,9 +15,9 @@ backward branch's body.
     python benchmarks/sass_loop_mix.py --linear tq4 --rows 1,8,16 --out linear-mix.json
 
 ``--linear FORMAT`` reads the weight product instead (``ops.linear``'s register-tile kernel, ``tq_linear_mma_kernel``):
-one variant per ``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, with CUDA's split-K choice
-for 132 SMs), its loop being one group of 128 inputs for the program's output rows; ``per_weight`` is the loop's
-instructions per thread times 32 over the weights one warp decodes per group.
+one variant per ``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, split over the groups as the
+launcher splits it for 132 SMs), its loop being one group of 128 inputs for the program's output rows;
+``per_weight`` is the loop's instructions per thread times 32 over the weights one warp decodes per group.
 """
 
 from __future__ import annotations
