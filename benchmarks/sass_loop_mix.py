@@ -82,7 +82,7 @@ import json, sys
 import torch
 from triton.runtime.driver import driver
 
-from tests.ops.sm90_probe import Sm90Driver
+from tests.ops.sm90_probe import Sm90Driver, resource_usage
 
 driver.set_active(Sm90Driver())
 from turboquant_core.formats import get_weight_format
@@ -103,9 +103,10 @@ for rows in map(int, sys.argv[5].split(",")):
     block_o, _ = linear.mma_tiles(rows)
     for i, v in enumerate(v for v in found.values() if v.name == "tq_linear_mma_kernel"):
         path = f"{prefix}-{rows}-{i}.cubin"
+        cubin = compile_variant(v).asm["cubin"]
         with open(path, "wb") as fh:
-            fh.write(compile_variant(v).asm["cubin"])
-        out.append(dict(rows=rows, block_o=block_o, cubin=path))
+            fh.write(cubin)
+        out.append(dict(rows=rows, block_o=block_o, registers=resource_usage(cubin)[0], cubin=path))
 print(json.dumps(dict(kernels=["tq_linear_mma_kernel"], variants=out)))
 '''
 
@@ -188,10 +189,8 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     variants = []
     for v in found["variants"]:
         sass = subprocess.run([cuobjdump, "-sass", v["cubin"]], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([cuobjdump, "-res-usage", v["cubin"]], capture_output=True, text=True, check=True).stdout
         mix = loop_mix(sass)
-        regs = re.search(r"REG:(\d+)", res)
-        variants.append(dict(rows=v["rows"], block_o=v["block_o"], registers=int(regs.group(1)) if regs else None,
+        variants.append(dict(rows=v["rows"], block_o=v["block_o"], registers=v["registers"],
                              per_weight=mix["instructions"] * 32 / (v["block_o"] * 128), **mix))
     args.out.write_text(json.dumps(dict(
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
