@@ -19,14 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .paged_decode_jit import (
-    _fields,
-    _load_planes,
-    _planes_to_words,
-    key_word_layout,
-    plane_transpose_asm,
-    plane_transpose_constraints,
-)
+from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
 
 
 @gluon.jit
@@ -37,31 +30,11 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
     gl.store(ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@gluon.jit
-def _plane_words(p0, p1, p2, p3, B: gl.constexpr):
-    """The four words (groups of 32 inputs) of a tile's planes, apart: ``_planes_to_words`` without the join."""
-    if B == 2:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32)]
-    elif B == 3:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32)]
-    else:
-        args = [p0.to(gl.uint32), p1.to(gl.uint32), p2.to(gl.uint32), p3.to(gl.uint32)]
-    return gl.inline_asm_elementwise(plane_transpose_asm(B, 4), plane_transpose_constraints(B, 4), args,
-                                     dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _chunk_tile(w, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr, BN: gl.constexpr, a_op: gl.constexpr):
-    """Words [BN, 4] of one 32-input chunk -> its decoded A operand [BN, 32]."""
-    kf = _fields(w, c0, c1, c2, c3, c4, c5, c6, c7, B)  # [BN, 4, 2, 2, 2]
-    return gl.convert_layout(gl.reshape(gl.permute(kf, [0, 4, 3, 1, 2]), [BN, 32]), a_op, assert_trivial=True)
-
-
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, CHUNKED: gl.constexpr = False, AHEAD: gl.constexpr = 1):
+                         SPLIT: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's byte-permute words;
     Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each
@@ -100,61 +73,19 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
-    if CHUNKED:
-        # Each group decoded and multiplied in four chunks of 32 inputs, so that one chunk's decoded tile is live at a
-        # time; the planes are loaded AHEAD groups ahead, the activation chunks and scales one group ahead.
-        qd32 = gl.arange(0, 32, layout=gl.SliceLayout(1, b_op))
-        xc_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd32[:, None]
-        m0, m1, m2, m3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
-        n0, n1, n2, n3 = m0, m1, m2, m3
-        if AHEAD == 2:
-            n0, n1, n2, n3 = _load_planes(W + gl.minimum(g0 + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS,
-                                          GR)
-        nx0 = gl.load(xc_ptr + g0 * DP)
-        nx1 = gl.load(xc_ptr + g0 * DP + 32)
-        nx2 = gl.load(xc_ptr + g0 * DP + 64)
-        nx3 = gl.load(xc_ptr + g0 * DP + 96)
-        nws = gl.load(S + srow + g0)
-        nxs = gl.load(XS + xcol + g0)
-        for gi in range(g0, g1):
-            p0, p1, p2, p3 = m0, m1, m2, m3
-            if AHEAD == 2:
-                m0, m1, m2, m3 = n0, n1, n2, n3
-            x0, x1, x2, x3, ws, xs = nx0, nx1, nx2, nx3, nws, nxs
-            gn = gl.minimum(gi + 1, g1 - 1)
-            n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + AHEAD, g1 - 1) * group_bytes, prow_off, kgofs, 16,
-                                          BITS, GR)
-            if AHEAD == 1:
-                m0, m1, m2, m3 = n0, n1, n2, n3
-            nx0 = gl.load(xc_ptr + gn * DP)
-            nx1 = gl.load(xc_ptr + gn * DP + 32)
-            nx2 = gl.load(xc_ptr + gn * DP + 64)
-            nx3 = gl.load(xc_ptr + gn * DP + 96)
-            nws = gl.load(S + srow + gn)
-            nxs = gl.load(XS + xcol + gn)
-            w0, w1, w2, w3 = _plane_words(p0, p1, p2, p3, BITS)
-            part = mma_v2(_chunk_tile(w0, c0, c1, c2, c3, c4, c5, c6, c7, BITS, BN, a_op), x0,
-                          gl.zeros([BN, NQ], gl.float32, layout=mma))
-            part = mma_v2(_chunk_tile(w1, c0, c1, c2, c3, c4, c5, c6, c7, BITS, BN, a_op), x1, part)
-            part = mma_v2(_chunk_tile(w2, c0, c1, c2, c3, c4, c5, c6, c7, BITS, BN, a_op), x2, part)
-            part = mma_v2(_chunk_tile(w3, c0, c1, c2, c3, c4, c5, c6, c7, BITS, BN, a_op), x3, part)
-            acc = acc + part * ws.to(gl.float32)[:, None] * xs[None, :]
-    else:
-        # The next group's planes are loaded before this group's are decoded: two loads in flight per warp.
-        n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
-        for gi in range(g0, g1):
-            p0, p1, p2, p3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS,
-                                          GR)
-            kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
-            kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)  # [BN, 4, GR, 2, 2, 2]
-            kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op,
-                                   assert_trivial=True)
-            xq = gl.load(xq_ptr + gi * DP)
-            part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
-            ws = gl.load(S + srow + gi).to(gl.float32)
-            xs = gl.load(XS + xcol + gi)
-            acc = acc + part * ws[:, None] * xs[None, :]
+    # The next group's planes are loaded before this group's are decoded: two loads in flight per warp.
+    n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
+    for gi in range(g0, g1):
+        p0, p1, p2, p3 = n0, n1, n2, n3
+        n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
+        kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
+        kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)  # [BN, 4, GR, 2, 2, 2]
+        kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)
+        xq = gl.load(xq_ptr + gi * DP)
+        part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
+        ws = gl.load(S + srow + gi).to(gl.float32)
+        xs = gl.load(XS + xcol + gi)
+        acc = acc + part * ws[:, None] * xs[None, :]
 
     if SPLIT:
         splits = gl.num_programs(2)
