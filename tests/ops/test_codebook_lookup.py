@@ -2,6 +2,8 @@
 """Codebook lookups inside the kernels (``kernels.codebook_lookup_jit``): the byte-permute lookup modelled on
 the CPU, and the lookup the kernels call against the codebook, bit for bit (interpreter and GPU)."""
 
+import re
+
 import pytest
 import torch
 import triton
@@ -9,6 +11,7 @@ import triton.language as tl
 
 from turboquant_core.codebooks import codebook_tensors
 from turboquant_core.kernels.codebook_lookup_jit import (
+    SYMMETRIC_LOOKUP8_ASM,
     _codebook_bytes,
     _codebook_registers,
     _dequant_words,
@@ -107,3 +110,58 @@ def test_dequant_words_gives_each_fields_codebook_value_in_kernel_order(bits, de
     bitrev3 = torch.tensor([0, 4, 2, 6, 1, 5, 3, 7])
     want = table[fields[:, :, bitrev3]].reshape(bn, 8 * gp)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: bit k of the result is bit (a_k b_k c_k) of the look-up table ``lut``."""
+    return sum(((lut >> ((((a >> k) & 1) << 2) | (((b >> k) & 1) << 1) | ((c >> k) & 1))) & 1) << k for k in range(32))
+
+
+def _run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
+    """Runs an inline-PTX block of 32-bit integer instructions (the subset the lookups use) on Python ints: ``$k``
+    operands are the outputs, then ``inputs``; ``mov.b32 {$a, $b}, r`` splits r into 16-bit halves."""
+    m32 = 0xFFFFFFFF
+    regs = {f"${n_out + i}": v & m32 for i, v in enumerate(inputs)}
+    ops = {"shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & m32, "and.b32": lambda a, b: a & b,
+           "xor.b32": lambda a, b: a ^ b, "mul.lo.u32": lambda a, b: (a * b) & m32,
+           "prmt.b32": _prmt, "lop3.b32": _lop3}
+    for stmt in filter(None, (t.strip() for t in asm.strip("{} ").split(";"))):
+        if stmt.startswith(".reg"):
+            continue
+        op, _, rest = stmt.partition(" ")
+        if op == "mov.b32":
+            lo, hi, src = re.fullmatch(r"\{(\S+), (\S+)\}, (\S+)", rest).groups()
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        dst, *args = [a.strip() for a in rest.split(",")]
+        regs[dst] = ops[op](*[int(a, 0) if a[0].isdigit() else regs[a] for a in args])
+    return [regs[f"${k}"] for k in range(n_out)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_symmetric_lookup_returns_every_codebook_entry(d):
+    """``SYMMETRIC_LOOKUP8_ASM`` run instruction by instruction on the CPU: with the magnitude words of a 4-bit
+    codebook (``ops.paged_decode.codebook_magnitude_words``), every field of random words, and every index value in
+    every field, comes back as the fp16 bits of exactly its codebook entry."""
+    from turboquant_core.ops.paged_decode import codebook_magnitude_words
+
+    table = codebook_tensors(4, d, "cpu")[0].to(torch.float16)
+    entry_bits = table.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).tolist()
+    mag = list(codebook_magnitude_words(table))
+    g = torch.Generator().manual_seed(d)
+    fields = torch.randint(0, 16, (64, 8), generator=g)
+    fields[:16] = torch.arange(16)[:, None]
+    for f in fields.tolist():
+        word = sum(i << (4 * j) for j, i in enumerate(f))
+        assert _run_ptx(SYMMETRIC_LOOKUP8_ASM.value, [word, *mag], 8) == [entry_bits[i] for i in f]
+
+
+def test_magnitude_words_refuse_a_codebook_that_is_not_symmetric():
+    from turboquant_core.ops.paged_decode import codebook_magnitude_words
+
+    table = codebook_tensors(4, 128, "cpu")[0].to(torch.float16)
+    table[0] = table[0] * 1.5
+    with pytest.raises(ValueError, match="symmetric"):
+        codebook_magnitude_words(table)
+    with pytest.raises(ValueError, match="16 entries"):
+        codebook_magnitude_words(codebook_tensors(3, 128, "cpu")[0].to(torch.float16))

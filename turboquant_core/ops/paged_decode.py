@@ -140,6 +140,24 @@ def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
     return tuple(word(k, False) for k in range(4)) + tuple(word(k, True) for k in range(4))
 
 
+def codebook_magnitude_words(cent_f16: torch.Tensor) -> tuple[int, int, int, int]:
+    """``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM``'s 4 codebook words as int32 values: the low bytes of the
+    magnitudes m[k] = c[8 + k] (k = 0-3, then 4-7), then their high bytes. Only for 16 fp16 entries, ascending and
+    symmetric about zero bit for bit (c[15 - i] = -c[i]), as the Lloyd-Max codebooks are."""
+    if cent_f16.numel() != 16:
+        raise ValueError(f"the symmetric lookup takes codebooks of 16 entries, not {cent_f16.numel()}")
+    c = cent_f16.detach().cpu().to(torch.float16).flatten()
+    if not (torch.equal(c.flip(0), -c) and bool((c[1:] > c[:-1]).all())):
+        raise ValueError("the symmetric lookup needs an ascending codebook symmetric about zero (c[15 - i] = -c[i])")
+    bits = c[8:].view(torch.int16).to(torch.int64).bitwise_and(0xFFFF).tolist()
+
+    def word(k: int, high: bool) -> int:
+        w = sum((((bits[4 * k + e] >> 8) if high else (bits[4 * k + e] & 0xFF)) << (8 * e)) for e in range(4))
+        return w - (1 << 32) if w >= 1 << 31 else w
+
+    return word(0, False), word(1, False), word(0, True), word(1, True)
+
+
 def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
                       max_splits: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
     """KV splits per (request, KV head) for a decode batch: none when the pairs alone fill a wave of programs
