@@ -2,17 +2,18 @@
 """Linear layers over TurboQuant weights with the decoded weight tile built in tensor-core registers (Gluon; jit
 only, launcher: ``ops.linear``).
 
-The weight plays the part the keys play in the register-tile decode attention (``paged_decode_jit``): one warp
-takes BN output rows (BN / 16 MMA row tiles), and per group of 128 inputs loads the rows' packed planes straight
-into the threads whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a
-register codebook and multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16
-operands, fp32 accumulators): no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per
-program as the MMA columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in
-this kernel's K order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group).
-Each group's product is scaled by the rows' group scales and the columns' activation scales and added to fp32
-accumulators. When the output tiles are too few to fill the GPU the groups are split over programs (split-K): each
-writes fp32 partial sums, and the last program of a tile to arrive (an atomic counter per tile, which it resets to
-zero) adds them in a fixed order and writes the output.
+The weight plays the part the keys play in the register-tile decode attention (``paged_decode_jit``): one warp takes
+BN output rows (BN / 16 MMA row tiles), and per group of 128 inputs loads the rows' packed planes straight into the
+threads whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a register
+codebook (4-bit ones through the codebook's symmetry about zero: ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM``) and
+multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32 accumulators):
+no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per program as the MMA columns, comes
+rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in this kernel's K order
+(``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group). Each group's product
+is scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators. When the
+output tiles are too few to fill the GPU the groups are split over programs (split-K): each writes fp32 partial
+sums, and the last program of a tile to arrive (an atomic counter per tile, which it resets to zero) adds them in a
+fixed order and writes the output.
 """
 
 from triton.experimental import gluon
@@ -51,13 +52,13 @@ def _fields_symmetric(word, m0, m1, m2, m3):
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, SYMMETRIC: gl.constexpr = False):
+                         SPLIT: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
-    [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's byte-permute words;
-    Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each
-    activation tile), activation rows NQ b.., groups k * groups_per_split..
-    (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a
-    tile's programs (COUNT int32, one zero per tile) adding them into Y."""
+    [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's words
+    (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16:
+    BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups k * groups_per_split.. (at
+    most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a tile's
+    programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -96,7 +97,7 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
         p0, p1, p2, p3 = n0, n1, n2, n3
         n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
         kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
-        if SYMMETRIC:
+        if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
             kf = _fields_symmetric(kw, c0, c1, c2, c3)  # [BN, 4, GR, 2, 2, 2]
         else:
             kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)

@@ -29,7 +29,6 @@ MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (li
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
 MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
-MMA_SYMMETRIC = 1
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
@@ -128,18 +127,14 @@ def mma_rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torc
     return m.to(device=device, dtype=dtype)
 
 
-def _symmetric_lookup(fmt_name: str) -> bool:
-    return bool(MMA_SYMMETRIC) and get_weight_format(fmt_name).bits == 4
-
-
 @functools.lru_cache(maxsize=16)
-def _codebook_words(fmt_name: str, symmetric: bool) -> tuple[int, ...]:
-    """The register-tile kernel's 8 codebook words: 4-bit codebooks (symmetric about zero) as their magnitudes'
-    words, then zeros; others as the byte-permute lookup's words."""
+def _codebook_words(fmt_name: str) -> tuple[int, ...]:
+    """The register-tile kernel's 8 codebook words: a 4-bit codebook (symmetric about zero) as its magnitudes'
+    words (``paged_decode.codebook_magnitude_words``), then zeros; a 3-bit one as the byte-permute lookup's words."""
     from .paged_decode import codebook_magnitude_words, codebook_permute_words
 
     cb = _codebook(fmt_name, "cpu").half()
-    return codebook_magnitude_words(cb) + (0, 0, 0, 0) if symmetric else codebook_permute_words(cb)
+    return codebook_magnitude_words(cb) + (0, 0, 0, 0) if cb.numel() == 16 else codebook_permute_words(cb)
 
 
 def _gluon_runs(device: str) -> bool:
@@ -162,7 +157,6 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
         x, mma_rotation_operand(fmt.name, dev, x.dtype), xq, xs, rows, w.in_features, x.stride(0), xq.stride(0),
         xs.stride(0), BLOCK_B=16)
     bn, nq = mma_tiles(rows)
-    sym = _symmetric_lookup(fmt.name)
     grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
     splits = 1
@@ -179,8 +173,8 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
         part = counters = y  # not read
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
-        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name, sym), BITS=fmt.bits,
-        BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, SYMMETRIC=sym, num_warps=1)
+        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
     return y
 
 
