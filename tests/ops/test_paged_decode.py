@@ -23,12 +23,10 @@ from turboquant_core.ops.paged import tq_paged_attention_ref
 from turboquant_core.ops.paged_attention import TQAttentionConfig, TQAttentionPlan
 from turboquant_core.ops.paged_decode import (
     DECODE_BITS,
-    codebook_magnitude_words,
     codebook_permute_words,
     decode_key_order,
     decode_path_applies,
     decode_value_order,
-    register_codebook_words,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,15 +72,6 @@ def test_codebook_words_equal_the_kernels_own(bits):
     _, cb = _run_jit_helpers(torch.zeros(4, dtype=torch.int32), table, bits)
     want = [w - (1 << 32) if w >= 1 << 31 else w for w in cb]
     assert list(codebook_permute_words(table)) == want
-
-
-def test_register_codebook_words_take_magnitudes_for_4_bits():
-    from turboquant_core.codebooks import codebook_tensors
-
-    for bits in (2, 3, 4):
-        table = codebook_tensors(bits, 128, "cpu")[0].to(torch.float16)
-        want = codebook_magnitude_words(table) + (0, 0, 0, 0) if bits == 4 else codebook_permute_words(table)
-        assert register_codebook_words(table) == want
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -153,8 +142,8 @@ fmt, d, hq, hkv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[
 lay = paged_layout(fmt, head_dim=d, block_size=16)
 cache = allocate_kv_cache(4, hkv, lay)
 plan = TQAttentionPlan(lay, hq, hkv, "cpu", workspace_bytes=8 << 20)
-plan.decode_words = (paged_decode.register_codebook_words(plan.k_tables.cent_f16[0]),
-                     paged_decode.register_codebook_words(plan.v_tables.cent_f16[0]))
+plan.decode_words = (paged_decode.codebook_permute_words(plan.k_tables.cent_f16[0]),
+                     paged_decode.codebook_permute_words(plan.v_tables.cent_f16[0]))
 table = torch.zeros(4, 8, dtype=torch.int32)
 plan.plan(table, torch.arange(5, dtype=torch.int32), torch.full((4,), 100, dtype=torch.int32), num_tokens=4,
           max_query_len=1, max_seq_len=100, causal=True)

@@ -20,7 +20,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .codebook_lookup_jit import SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
+
+SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 
 
 @gluon.jit
@@ -31,6 +34,20 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
     gl.store(ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@gluon.jit
+def _fields_symmetric(word, m0, m1, m2, m3):
+    """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
+    ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words)."""
+    f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
+        SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, m0, m1, m2, m3],
+        dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
+    f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
+                      f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
+    f4, f5, f6, f7 = (f4.to(gl.float16, bitcast=True), f5.to(gl.float16, bitcast=True),
+                      f6.to(gl.float16, bitcast=True), f7.to(gl.float16, bitcast=True))
+    return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
+
+
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
@@ -38,10 +55,10 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
                          SPLIT: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's words
-    (``ops.paged_decode.register_codebook_words``); Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a
-    multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
-    k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
-    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
+    (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16:
+    BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups k * groups_per_split.. (at
+    most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a tile's
+    programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -80,7 +97,10 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
         p0, p1, p2, p3 = n0, n1, n2, n3
         n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
         kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
-        kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)  # [BN, 4, GR, 2, 2, 2]
+        if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
+            kf = _fields_symmetric(kw, c0, c1, c2, c3)  # [BN, 4, GR, 2, 2, 2]
+        else:
+            kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
         kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)
         xq = gl.load(xq_ptr + gi * DP)
         part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))

@@ -32,44 +32,37 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, SYMMETRIC_LOOKUP8_ASM, _nibble_fields
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _lookup_selectors, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
+ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
-ASM_SYM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 
 
 @gluon.jit
-def _lookup4(sel, c0, c1, c4, c5):
-    """fp16 codebook values of nibbles 0-3 of ``sel`` (fields of at most 3 bits) from an 8-entry codebook
-    (``codebook_lookup_jit._permute_lookup4``)."""
-    a, b, c, d = gl.inline_asm_elementwise(
-        ASM_8, "=h,=h,=h,=h,r,r,r,r,r", [sel, c0, c1, c4, c5],
-        dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
+def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+    """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``); 4-bit fields
+    take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15
+    (``codebook_lookup_jit._lookup_selectors``)."""
+    if B == 4:
+        a, b, c, d = gl.inline_asm_elementwise(
+            ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r", [sel, half, c0, c1, c2, c3, c4, c5, c6, c7],
+            dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
+    else:
+        a, b, c, d = gl.inline_asm_elementwise(
+            ASM_8, "=h,=h,=h,=h,r,r,r,r,r", [sel, c0, c1, c4, c5],
+            dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
     return (a.to(gl.float16, bitcast=True), b.to(gl.float16, bitcast=True), c.to(gl.float16, bitcast=True),
             d.to(gl.float16, bitcast=True))
 
 
 @gluon.jit
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2). c0..c7: the
-    codebook's words (``ops.paged_decode.register_codebook_words``): for 4-bit fields c0..c3 are the magnitude
-    words of a codebook symmetric about zero (``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM``), else the
-    byte-permute lookup's words."""
-    if B == 4:
-        f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
-            ASM_SYM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, c0, c1, c2, c3],
-            dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True,
-            pack=1)
-        f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
-                          f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
-        f4, f5, f6, f7 = (f4.to(gl.float16, bitcast=True), f5.to(gl.float16, bitcast=True),
-                          f6.to(gl.float16, bitcast=True), f7.to(gl.float16, bitcast=True))
-    else:
-        x = _nibble_fields(word, B)
-        f0, f1, f2, f3 = _lookup4(x, c0, c1, c4, c5)
-        f4, f5, f6, f7 = _lookup4(x >> 16, c0, c1, c4, c5)
+    """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
+    x, half = _lookup_selectors(_nibble_fields(word, B), B)
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 

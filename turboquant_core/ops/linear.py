@@ -129,9 +129,12 @@ def mma_rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torc
 
 @functools.lru_cache(maxsize=16)
 def _codebook_words(fmt_name: str) -> tuple[int, ...]:
-    from .paged_decode import register_codebook_words
+    """The register-tile kernel's 8 codebook words: a 4-bit codebook (symmetric about zero) as its magnitudes'
+    words (``paged_decode.codebook_magnitude_words``), then zeros; a 3-bit one as the byte-permute lookup's words."""
+    from .paged_decode import codebook_magnitude_words, codebook_permute_words
 
-    return register_codebook_words(_codebook(fmt_name, "cpu").half())
+    cb = _codebook(fmt_name, "cpu").half()
+    return codebook_magnitude_words(cb) + (0, 0, 0, 0) if cb.numel() == 16 else codebook_permute_words(cb)
 
 
 def _gluon_runs(device: str) -> bool:

@@ -36,7 +36,7 @@ from ..kernels.mla_gather_jit import tq_mla_gather_kernel
 from ..kernels.mla_store_jit import tq_mla_store_finish_kernel, tq_mla_store_kernel
 from ..kernels.paged_attention_jit import tq_merge_splits_kernel
 from .mla_layout import MLAPagedLayout, mla_cache_views, mla_tables
-from .paged_decode import _gluon_runs, decode_key_order, register_codebook_words
+from .paged_decode import _gluon_runs, codebook_permute_words, decode_key_order
 
 MLA_GATHER_ROWS = 16  # tokens per gather program
 MLA_STORE_FEW_TOKENS = 256  # up to this many tokens the store runs narrow column chunks of 16-token programs
@@ -174,7 +174,7 @@ def mla_decode_rotation(layout: MLAPagedLayout, device, mma: bool | None = None)
 
 @functools.lru_cache(maxsize=64)
 def _permute_words(layout: MLAPagedLayout, device: str) -> tuple[int, ...]:
-    return register_codebook_words(mla_tables(layout, device).cent_f16[0])
+    return codebook_permute_words(mla_tables(layout, device).cent_f16[0])
 
 
 MLA_MAX_SPLITS = 64

@@ -58,10 +58,10 @@ from .paged_decode import (
     DECODE_MAX_COLUMNS,
     DECODE_PROGRAMS_PER_SM,
     LN2,
+    codebook_permute_words,
     decode_path_applies,
     decode_workspace_floats,
     num_decode_splits,
-    register_codebook_words,
     run_decode,
 )
 from .paged_decode_wgmma import WGMMA_PROGRAMS_PER_SM, run_decode_wgmma, wgmma_decode_applies, wgmma_table_words
@@ -161,8 +161,8 @@ class TQAttentionPlan:
         # The register-tile decode kernel's codebook words (host values, computed once: ``run`` never syncs).
         self.decode_words = None
         if decode_path_applies(layout, self.group, self.device, max_query_len=1, causal=True, sliding_window=None):
-            self.decode_words = (register_codebook_words(self.k_tables.cent_f16[0]),
-                                 register_codebook_words(self.v_tables.cent_f16[0]))
+            self.decode_words = (codebook_permute_words(self.k_tables.cent_f16[0]),
+                                 codebook_permute_words(self.v_tables.cent_f16[0]))
         # The e4m3 warpgroup-MMA kernel's codebook registers, where the configuration allows it and it applies.
         self.wgmma_words = None
         if self.config.decode_kernel != "register-tile" and wgmma_decode_applies(

@@ -158,14 +158,6 @@ def codebook_magnitude_words(cent_f16: torch.Tensor) -> tuple[int, int, int, int
     return word(0, False), word(1, False), word(0, True), word(1, True)
 
 
-def register_codebook_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
-    """The 8 codebook words the Gluon kernels' lookups (``paged_decode_jit._fields``) take: for a 16-entry (4-bit)
-    codebook its magnitude words (``codebook_magnitude_words``) and four zeros, else the byte-permute words."""
-    if cent_f16.numel() == 16:
-        return codebook_magnitude_words(cent_f16) + (0, 0, 0, 0)
-    return codebook_permute_words(cent_f16)
-
-
 def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
                       max_splits: int, programs_per_sm: int = DECODE_PROGRAMS_PER_SM) -> int:
     """KV splits per (request, KV head) for a decode batch: none when the pairs alone fill a wave of programs
