@@ -37,7 +37,7 @@ HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
           "down": (HIDDEN, INTERMEDIATE)}
 KNOBS = {"mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM", "mma_block_o": "MMA_BLOCK_O",
-         "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT", "mma_words": "MMA_WORDS"}
+         "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT"}
 
 
 def parse_variant(text: str) -> dict[str, int]:

@@ -24,9 +24,6 @@ from .codebook_lookup_jit import SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
-SM_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value.replace(
-    "shr.b32 t, $8, 3; and.b32 t, t, 0x11111111; mul.lo.u32 t, t, 7; xor.b32 m, $8, t; xor.b32 m, m, 0x77777777; "
-    "and.b32 m, m, 0x77777777; ", "and.b32 m, $8, 0x77777777; "))
 
 
 @gluon.jit
@@ -38,11 +35,11 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
 
 
 @gluon.jit
-def _fields_symmetric(word, m0, m1, m2, m3, SM: gl.constexpr = False):
+def _fields_symmetric(word, m0, m1, m2, m3):
     """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
     ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words)."""
     f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
-        SM_ASM if SM else SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, m0, m1, m2, m3],
+        SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, m0, m1, m2, m3],
         dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
     f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
                       f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
@@ -55,7 +52,7 @@ def _fields_symmetric(word, m0, m1, m2, m3, SM: gl.constexpr = False):
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, WORDS: gl.constexpr = False):
+                         SPLIT: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's words
     (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16:
@@ -96,25 +93,12 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     # The next group's planes are loaded before this group's are decoded: two loads in flight per warp.
     n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
-    if WORDS:
-        wr = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, kw_l)))
-        wl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, kw_l)))
-        wg = gl.arange(0, GR, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
-        wrow = gl.minimum(pid_o * BN + wr, out_features - 1).to(gl.int64) * groups * 16
-        wptr = (W.to(gl.pointer_type(gl.uint32)) + wrow[:, None, None] + (wl * GR)[None, :, None]
-                + wg[None, None, :])
-        nw = gl.load(wptr + g0 * 16)
     for gi in range(g0, g1):
-        if WORDS:
-            kw = nw
-            nw = gl.load(wptr + gl.minimum(gi + 1, g1 - 1) * 16)
-        else:
-            p0, p1, p2, p3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS,
-                                          GR)
-            kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
+        p0, p1, p2, p3 = n0, n1, n2, n3
+        n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
+        kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
         if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
-            kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
+            kf = _fields_symmetric(kw, c0, c1, c2, c3)  # [BN, 4, GR, 2, 2, 2]
         else:
             kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
         kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)

@@ -29,7 +29,6 @@ MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (li
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
 MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
-MMA_WORDS = 0  # study: tq4 weights as word-major sign-magnitude fields (timing only: nothing writes that layout)
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
@@ -175,8 +174,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
         per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
-        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=bool(MMA_WORDS) and fmt.bits == 4,
-        num_warps=1)
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
     return y
 
 
