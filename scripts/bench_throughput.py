@@ -588,6 +588,33 @@ def plot_sweep(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def merge_results(files: list[Path], out: Path) -> Path:
+    """One results file from runs of disjoint configs (``--report-only A B ...``): the same model, scenarios and
+    tensor-parallel size, every row on the same GPU model; the merged file lists each source's command and date."""
+    if out.resolve() in {f.resolve() for f in files}:
+        raise SystemExit(f"--out {out} is one of the files to merge; give another")
+    docs = [json.loads(f.read_text()) for f in files]
+    for key in ("model", "scenarios", "tensor_parallel_size"):
+        values = {json.dumps(d.get(key)) for d in docs}
+        if len(values) > 1:
+            raise SystemExit(f"cannot merge runs of different {key}: {', '.join(sorted(values))}")
+    rows = [r for d in docs for r in d["results"]]
+    names = [r["name"] for r in rows]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SystemExit(f"cannot merge: configs in more than one file: {twice}")
+    devices = {r.get("device") for r in rows if "scenarios" in r}
+    if len(devices) > 1:
+        raise SystemExit(f"cannot merge runs on different GPUs: {', '.join(sorted(map(str, devices)))}")
+    doc = dict(date=max(d.get("date", "") for d in docs), command=" ".join(sys.argv), model=docs[0].get("model"),
+               scenarios=docs[0].get("scenarios"), tensor_parallel_size=docs[0].get("tensor_parallel_size", 1),
+               merged_from=[dict(file=f.name, command=d.get("command"), date=d.get("date"),
+                                 configs=[r["name"] for r in d["results"]]) for f, d in zip(files, docs)],
+               results=rows)
+    out.write_text(json.dumps(doc, indent=1))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (a config.json is enough with dummy weights)")
@@ -621,7 +648,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="throughput.json")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an existing --out file and run only configs it does not have")
-    ap.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and plot of a results file")
+    ap.add_argument("--report-only", metavar="JSON", nargs="+",
+                    help="rewrite the markdown table and plots of a results file; several files (runs of one model, "
+                         "scenarios and GPU model, e.g. configs split over the GPUs of one host) are merged into --out "
+                         "first")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
@@ -630,7 +660,9 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.report_only:
-        src = Path(args.report_only)
+        src = Path(args.report_only[0])
+        if len(args.report_only) > 1:
+            src = merge_results([Path(f) for f in args.report_only], Path(args.out))
         rows = json.loads(src.read_text())["results"]
         src.with_suffix(".md").write_text(summarize(rows, args.baseline) + "\n")
         plot(rows, args.baseline, src.with_suffix(".png"))

@@ -101,6 +101,35 @@ def test_report_only_redraws_table_and_sweep(bench, tmp_path):
     assert (tmp_path / "run-sweep.png").is_file()
 
 
+def test_report_only_merges_runs_of_disjoint_configs(bench, tmp_path):
+    """Configs split over the GPUs of one host: two result files of one model and scenarios become one, with each
+    source's command; overlapping configs, other scenarios or another GPU model are refused."""
+    rows = _rows()
+    a, b = tmp_path / "gpu0.json", tmp_path / "gpu1.json"
+    common = dict(model="m", scenarios="sweep", tensor_parallel_size=1)
+    a.write_text(json.dumps(dict(common, command="run a", date="2026-01-01T00:00:00", results=rows[:1])))
+    b.write_text(json.dumps(dict(common, command="run b", date="2026-01-01T01:00:00", results=rows[1:])))
+    out = tmp_path / "all.json"
+    assert bench.main(["--model", "unused", "--report-only", str(a), str(b), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["name"] for r in doc["results"]] == [r["name"] for r in rows]
+    assert [m["command"] for m in doc["merged_from"]] == ["run a", "run b"]
+    assert doc["date"] == "2026-01-01T01:00:00"
+    assert "| ours-k3v4 | patched | ours-k3v4 | 2048/512/512 | 450 | 1.45x |" in (tmp_path / "all.md").read_text()
+    assert (tmp_path / "all-sweep.png").is_file()
+    with pytest.raises(SystemExit, match="configs in more than one file"):
+        bench.main(["--model", "unused", "--report-only", str(a), str(a), "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="is one of the files"):
+        bench.main(["--model", "unused", "--report-only", str(a), str(b), "--out", str(a)])
+    b.write_text(json.dumps(dict(common, scenarios="S1", command="run b", results=rows[1:])))
+    with pytest.raises(SystemExit, match="different scenarios"):
+        bench.main(["--model", "unused", "--report-only", str(a), str(b), "--out", str(out)])
+    other = [dict(r, device="NVIDIA H200") for r in rows[1:]]
+    b.write_text(json.dumps(dict(common, command="run b", results=other)))
+    with pytest.raises(SystemExit, match="different GPUs"):
+        bench.main(["--model", "unused", "--report-only", str(a), str(b), "--out", str(out)])
+
+
 def test_configs_with_engine_options(bench, tmp_path, monkeypatch):
     """KV_CACHE_DTYPE+option=value: the fork's vllm.LLM arguments, typed, in the engine's keywords; the results keep
     the bare dtype (capacity against the format table) and the options apart."""
