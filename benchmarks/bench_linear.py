@@ -163,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def variant_label(row: dict) -> str:
+    """The table's variant column: the knobs a TurboQuant row ran with ("shipped": none), empty for bf16."""
+    if row["config"] == "bf16":
+        return ""
+    return ",".join(f"{k}={x}" for k, x in row.get("variant", {}).items()) or "shipped"
+
+
 def markdown(res: dict) -> str:
     """Per-layer time (us) and speed-up over bf16 at each row count, per config and variant."""
     base = {(r["rows"], r["shape"]): r["us_per_layer"] for r in res["rows"] if r["config"] == "bf16"}
@@ -170,8 +177,7 @@ def markdown(res: dict) -> str:
              "| config | variant | rows | shape | us/layer | x bf16 | weight GB/s | % copy |",
              "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        v = ",".join(f"{k}={x}" for k, x in r.get("variant", {}).items()) or "shipped"
-        lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
+        lines.append(f"| {r['config']} | {variant_label(r)} | {r['rows']} | {r['shape']} | "
                      f"{r['us_per_layer']:.1f} | {base[(r['rows'], r['shape'])] / r['us_per_layer']:.2f} | "
                      f"{r['weight_gbps']:.0f} | {100 * r['weight_gbps'] / res['copy_gbps']:.0f} |")
     split = [r for r in res["rows"] if "kernels_us" in r]
@@ -180,9 +186,8 @@ def markdown(res: dict) -> str:
                   "runs.", "", "| config | variant | rows | shape | graph us | kernels us | not in a kernel | "
                   "kernels (us) |", "|---|---|---:|---|---:|---:|---:|---|"]
         for r in split:
-            v = ",".join(f"{k}={x}" for k, x in r.get("variant", {}).items()) or "shipped"
             ks = "; ".join(f"{name[:48]} {us:.1f}" for name, us in r["kernels_us"].items())
-            lines.append(f"| {r['config']} | {v if r['config'] != 'bf16' else ''} | {r['rows']} | {r['shape']} | "
+            lines.append(f"| {r['config']} | {variant_label(r)} | {r['rows']} | {r['shape']} | "
                          f"{r['us_per_layer']:.1f} | {r['kernel_sum_us']:.1f} | "
                          f"{r['us_per_layer'] - r['kernel_sum_us']:.1f} | {ks} |")
     lines += [f"\nfailed: {f['config']} {f['variant']}: {f['error']}" for f in res.get("failed", [])]

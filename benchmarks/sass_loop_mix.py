@@ -154,18 +154,11 @@ def main(argv=None) -> int:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=os.path.join(scratch, "c"))
     if args.linear:
         return linear_main(args, argv, cuobjdump, scratch, env)
-    p = subprocess.run([sys.executable, "-c", CHILD, args.preset, str(args.head_dim), str(args.q_heads),
-                        str(args.kv_heads), "1" if args.centred else "0", args.kernel, os.path.join(scratch, "k")],
-                       env=env, capture_output=True, text=True, cwd=ROOT)
-    if p.returncode:
-        raise SystemExit(p.stderr[-3000:])
-    found = json.loads(p.stdout.strip().splitlines()[-1])
+    found = run_child(CHILD, [args.preset, str(args.head_dim), str(args.q_heads), str(args.kv_heads),
+                              "1" if args.centred else "0", args.kernel, os.path.join(scratch, "k")], env)
     if not found["cubins"]:
         raise SystemExit(f"the warm-up launches no {args.kernel}; it launches {', '.join(found['kernels'])}")
-    variants = []
-    for cubin in found["cubins"]:
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        variants.append(loop_mix(sass))
+    variants = [loop_mix(sass_of(cuobjdump, cubin)) for cubin in found["cubins"]]
     args.out.write_text(json.dumps(dict(
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         kernel=args.kernel, preset=args.preset, head_dim=args.head_dim, q_heads=args.q_heads, kv_heads=args.kv_heads,
@@ -176,20 +169,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_child(script: str, argv: list[str], env: dict) -> dict:
+    """Run one of the compile scripts above in a fresh interpreter; its last line of output, as JSON."""
+    p = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        raise SystemExit(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def sass_of(cuobjdump: str, cubin: str) -> str:
+    return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
 def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     """``--linear``: the weight product's loop per activation row count (module docstring)."""
     if args.linear not in WEIGHT_FORMATS:
         raise SystemExit(f"unknown weight format {args.linear!r}; valid: {', '.join(WEIGHT_FORMATS)}")
     out_features, in_features = 24576, 4096  # Qwen3-8B gate_up
-    p = subprocess.run([sys.executable, "-c", CHILD_LINEAR, args.linear, str(out_features), str(in_features),
-                        os.path.join(scratch, "k"), args.rows], env=env, capture_output=True, text=True, cwd=ROOT)
-    if p.returncode:
-        raise SystemExit(p.stderr[-3000:])
-    found = json.loads(p.stdout.strip().splitlines()[-1])
+    found = run_child(CHILD_LINEAR, [args.linear, str(out_features), str(in_features), os.path.join(scratch, "k"),
+                                     args.rows], env)
     variants = []
     for v in found["variants"]:
-        sass = subprocess.run([cuobjdump, "-sass", v["cubin"]], capture_output=True, text=True, check=True).stdout
-        mix = loop_mix(sass)
+        mix = loop_mix(sass_of(cuobjdump, v["cubin"]))
         variants.append(dict(rows=v["rows"], block_o=v["block_o"], registers=v["registers"],
                              per_weight=mix["instructions"] * 32 / (v["block_o"] * 128), **mix))
     args.out.write_text(json.dumps(dict(

@@ -123,21 +123,27 @@ def _ordered_rotation(dim: int, bits: float, seed: int, device: str, value: bool
     return rotation_rows_in_order(codec_tables(dim, bits, seed, device), order)
 
 
+def _byte_word(bits: list[int], first: int, high: bool) -> int:
+    """int32 value of the word whose byte e is the low (or high) byte of fp16 entry ``first + e`` of ``bits`` (the
+    entries' 16-bit patterns; entries past the end are 0)."""
+    w = 0
+    for e in range(4):
+        v = bits[first + e] if first + e < len(bits) else 0
+        w |= ((v >> 8) if high else (v & 0xFF)) << (8 * e)
+    return w - (1 << 32) if w >= 1 << 31 else w
+
+
+def _entry_bits(cent_f16: torch.Tensor) -> list[int]:
+    return cent_f16.detach().cpu().to(torch.float16).flatten().view(torch.int16).to(torch.int64).bitwise_and(
+        0xFFFF).tolist()
+
+
 def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
     """The byte-permute lookup's 8 codebook words (``codebook_lookup_jit._codebook_bytes``) as int32 values:
     lo_k / hi_k hold the low / high bytes of fp16 entries 4k..4k+3; words past the codebook repeat lo0 / hi0."""
-    bits = cent_f16.detach().cpu().view(torch.int16).to(torch.int64).bitwise_and(0xFFFF).tolist()
-
-    def word(k: int, high: bool) -> int:
-        if 4 * k >= len(bits):
-            k = 0
-        w = 0
-        for e in range(4):
-            v = bits[4 * k + e] if 4 * k + e < len(bits) else 0
-            w |= ((v >> 8) if high else (v & 0xFF)) << (8 * e)
-        return w - (1 << 32) if w >= 1 << 31 else w
-
-    return tuple(word(k, False) for k in range(4)) + tuple(word(k, True) for k in range(4))
+    bits = _entry_bits(cent_f16)
+    firsts = [4 * k if 4 * k < len(bits) else 0 for k in range(4)]
+    return tuple(_byte_word(bits, f, False) for f in firsts) + tuple(_byte_word(bits, f, True) for f in firsts)
 
 
 def codebook_magnitude_words(cent_f16: torch.Tensor) -> tuple[int, int, int, int]:
@@ -149,13 +155,9 @@ def codebook_magnitude_words(cent_f16: torch.Tensor) -> tuple[int, int, int, int
     c = cent_f16.detach().cpu().to(torch.float16).flatten()
     if not (torch.equal(c.flip(0), -c) and bool((c[1:] > c[:-1]).all())):
         raise ValueError("the symmetric lookup needs an ascending codebook symmetric about zero (c[15 - i] = -c[i])")
-    bits = c[8:].view(torch.int16).to(torch.int64).bitwise_and(0xFFFF).tolist()
-
-    def word(k: int, high: bool) -> int:
-        w = sum((((bits[4 * k + e] >> 8) if high else (bits[4 * k + e] & 0xFF)) << (8 * e)) for e in range(4))
-        return w - (1 << 32) if w >= 1 << 31 else w
-
-    return word(0, False), word(1, False), word(0, True), word(1, True)
+    bits = _entry_bits(c)
+    lo0, lo1, hi0, hi1 = (_byte_word(bits, first, high) for high in (False, True) for first in (8, 12))
+    return lo0, lo1, hi0, hi1
 
 
 def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
