@@ -343,6 +343,13 @@ def tpot_stats(timings: Iterable[tuple[float, float, int]]) -> dict:
                 tpot_requests=len(rows), tpot_requests_no_prefill=len(late))
 
 
+def embedding_gib_per_rank(text_config, dtype_bytes: int, tensor_parallel_size: int) -> float:
+    """GiB of one rank's input embedding and output head (one table when tied), which every config of the weights
+    suite keeps in the model's dtype: what "linears vs bf16" takes out of the weights vLLM reports."""
+    tables = 1 if getattr(text_config, "tie_word_embeddings", False) else 2
+    return tables * text_config.vocab_size * text_config.hidden_size * dtype_bytes / tensor_parallel_size / GIB
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside one subprocess: one engine, every scenario, one JSON line on stdout."""
     import random
@@ -363,6 +370,7 @@ def worker(args: argparse.Namespace) -> None:
     # One rank's share of the KV cache: what the format table's bytes per token are multiplied by.
     kv_shape = dict(layers=mc.get_num_layers(pc), kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
                     mla=[mc.hf_text_config.kv_lora_rank, mc.hf_text_config.qk_rope_head_dim] if mc.use_mla else None)
+    embedding_gib = embedding_gib_per_rank(mc.hf_text_config, mc.dtype.itemsize, pc.tensor_parallel_size)
     rng = random.Random(0)
     rows = []
     # Warm-up outside the timed region: a short prompt (prefill + decode kernels) and, where it fits, one
@@ -392,6 +400,7 @@ def worker(args: argparse.Namespace) -> None:
     result = dict(device=torch.cuda.get_device_name(0), num_devices=torch.cuda.device_count(),
                   vllm_version=vllm.__version__, startup_s=startup, tensor_parallel_size=pc.tensor_parallel_size,
                   num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, kv_shape=kv_shape,
+                  embedding_gib=embedding_gib,
                   engine_stats=not args.no_engine_stats, scenarios=rows)
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
@@ -505,11 +514,14 @@ def summarize(rows: list[dict], baseline: str) -> str:
                 _opt(s.get("tpot_ms_no_prefill"), ".1f")]))
     weights = [r for r in rows if r.get("weight_gib")]
     if weights:  # the weights suite: model memory as vLLM reports it after loading (one rank's under TP)
-        lines += ["", "| config | --quantization | weights GiB | vs bf16 |", "|---|---|---|---|"]
+        lines += ["", "| config | --quantization | weights GiB | vs bf16 | linears vs bf16 |", "|---|---|---|---|---|"]
         for r in weights:
             bw = bases[_tp(r)].get("weight_gib") if _tp(r) in bases else None
+            # Without the embedding and head (bf16 in every config): the layers --quantization encodes.
+            emb = r.get("embedding_gib")
+            linears = (r["weight_gib"] - emb) / (bw - emb) if bw and emb is not None and bw > emb else None
             lines.append(line([r["name"], r.get("quantization") or "-", f"{r['weight_gib']:.2f}",
-                               f"{r['weight_gib'] / bw:.3f}" if bw else "-"]))
+                               f"{r['weight_gib'] / bw:.3f}" if bw else "-", _opt(linears, ".3f")]))
     return "\n".join(lines)
 
 

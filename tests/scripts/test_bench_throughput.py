@@ -68,8 +68,23 @@ def test_weights_table_when_rows_carry_model_memory(bench):
                  scenarios=[dict(input_len=256, output_len=256, batch=1, output_tok_per_s=t)])
             for n, q, g, t in (("bf16", None, 15.3, 100.0), ("tq4", "tq4", 4.1, 180.0))]
     table = bench.summarize(rows, "bf16")
-    assert "| tq4 | tq4 | 4.10 | 0.268 |" in table and "| bf16 | - | 15.30 | 1.000 |" in table
+    assert "| tq4 | tq4 | 4.10 | 0.268 | - |" in table and "| bf16 | - | 15.30 | 1.000 | - |" in table
     assert "| tq4 | patched | auto | 256/256/1 | 180 | 1.80x |" in table
+    # With the embedding and head's share recorded, the linears' ratio leaves it out of both sides.
+    for r in rows:
+        r["embedding_gib"] = 2.3
+    table = bench.summarize(rows, "bf16")
+    assert "| tq4 | tq4 | 4.10 | 0.268 | 0.138 |" in table and "| bf16 | - | 15.30 | 1.000 | 1.000 |" in table
+
+
+def test_embedding_gib_per_rank(bench):
+    from types import SimpleNamespace
+
+    qwen3_8b = SimpleNamespace(vocab_size=151936, hidden_size=4096, tie_word_embeddings=False)
+    assert bench.embedding_gib_per_rank(qwen3_8b, 2, 1) == pytest.approx(2.318, abs=1e-3)
+    assert bench.embedding_gib_per_rank(qwen3_8b, 2, 2) == pytest.approx(1.159, abs=1e-3)
+    tied = SimpleNamespace(vocab_size=49152, hidden_size=576, tie_word_embeddings=True)
+    assert bench.embedding_gib_per_rank(tied, 2, 1) == pytest.approx(49152 * 576 * 2 / 2**30)
 
 
 def _rows():
