@@ -200,6 +200,8 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         kwargs["quantization"] = quantization
         if quantization == "awq_marlin":  # dummy weights in AWQ's layout: the checkpoint config says what they are
             kwargs["hf_overrides"] = {"quantization_config": dict(AWQ_DUMMY_CONFIG)}
+    # Every kernel compiled after vLLM's warm-up is logged with its specialization (by default only the first).
+    kwargs["jit_monitor_verbose"] = True
     compilation = {}
     if args.cudagraph_sizes:
         # Fewer capture sizes start the engine faster; decode batches pad up to the next size.
@@ -420,6 +422,15 @@ def run_engine_process(cmd: list[str], env: dict[str, str], timeout: float) -> t
         return out, err, "timeout"
 
 
+JIT_WHILE_SERVING = re.compile(r"Triton kernel JIT compilation during inference: (\w+)(?: \((.*?)\))?\. This causes")
+
+
+def jit_while_serving(log: str, detail_chars: int = 600) -> list[dict]:
+    """The Triton kernels vLLM's JIT monitor saw compiled after the engine's warm-up (each a latency spike while
+    serving), in order: [{"kernel": name, "detail": its constexprs and signature, cut to ``detail_chars``}]."""
+    return [dict(kernel=m.group(1), detail=(m.group(2) or "")[:detail_chars]) for m in JIT_WHILE_SERVING.finditer(log)]
+
+
 def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantization: str | None = None) -> dict:
     env = worker_env(args, install)
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--kv-cache-dtype", dtype,
@@ -451,6 +462,9 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
     per_rank = [float(v) for v in re.findall(r"Available KV cache memory: ([\d.]+) GiB", out + err)]
     if per_rank:
         row["kv_cache_gib_per_rank"] = min(per_rank)
+    jit = jit_while_serving(out + err)
+    if jit:
+        row["jit_while_serving"] = jit
     m = re.search(r"Model loading took ([\d.]+) GiB", out + err)
     if m:
         row["weight_gib"] = float(m.group(1))
@@ -522,6 +536,11 @@ def summarize(rows: list[dict], baseline: str) -> str:
             linears = (r["weight_gib"] - emb) / (bw - emb) if bw and emb is not None and bw > emb else None
             lines.append(line([r["name"], r.get("quantization") or "-", f"{r['weight_gib']:.2f}",
                                f"{r['weight_gib'] / bw:.3f}" if bw else "-", _opt(linears, ".3f")]))
+    jit = [(r["name"], r["jit_while_serving"]) for r in rows if r.get("jit_while_serving")]
+    if jit:  # kernels the warm-up missed: their first launch while serving compiled them
+        lines += ["", "Kernels compiled while serving (vLLM's JIT monitor): "
+                  + "; ".join(f"{name}: " + ", ".join(sorted({e['kernel'] for e in events})) + f" ({len(events)})"
+                              for name, events in jit)]
     return "\n".join(lines)
 
 

@@ -184,7 +184,7 @@ def test_engine_kwargs_and_env(bench, monkeypatch):
     assert kw == dict(model="m", load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype="turboquant_k3v4_nc",
                       max_model_len=2048 + 512 + 16, max_num_seqs=384, gpu_memory_utilization=0.9,
                       enable_prefix_caching=False, seed=0, enforce_eager=False, max_num_batched_tokens=8192,
-                      tensor_parallel_size=1)  # args without the option (scripts/profile_decode.py's): one GPU
+                      tensor_parallel_size=1, jit_monitor_verbose=True)  # args without the TP option: one GPU
     args.max_num_seqs, args.cudagraph_sizes, args.tensor_parallel_size = 512, "32,64", 2
     kw = bench.engine_kwargs(args, bench.parse_scenarios("S1"))
     assert kw["max_num_seqs"] == 512 and kw["max_model_len"] == 1024 + 256 + 16 and kw["tensor_parallel_size"] == 2
@@ -365,3 +365,24 @@ def test_summary_compares_each_tensor_parallel_size_with_its_own_baseline(bench)
     assert bench.summarize([dict(r, tensor_parallel_size=1) for r in rows[:2]], "bf16").splitlines()[0] == (
         "| config | install | kv_cache_dtype | scenario | output tok/s | vs bf16 | KV capacity (tokens) | vs bf16 "
         "| peak running | TTFT ms, max | TPOT ms | TPOT ms, no prefill |")
+
+
+def test_kernels_compiled_while_serving_are_reported(bench):
+    log = ("(EngineCore pid=1) WARNING 11-27 17:46:22 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: tq_rotate_kernel (constexprs={BLOCK_B=16}; signature={X='*bf16', num_rows='i32'}; "
+           "extra_compile_info={}; key=(1, (2))). This causes a latency spike; consider extending warmup to cover "
+           "this shape/config.\n"
+           "WARNING 11-27 17:46:23 [jit_monitor.py:135] Triton kernel JIT compilation during inference: "
+           "tq_dequant_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.\n")
+    events = bench.jit_while_serving(log)
+    assert [e["kernel"] for e in events] == ["tq_rotate_kernel", "tq_dequant_kernel"]
+    assert events[0]["detail"].startswith("constexprs={BLOCK_B=16}") and events[0]["detail"].endswith("key=(1, (2))")
+    assert events[1]["detail"] == "" and bench.jit_while_serving("no warnings") == []
+    rows = [dict(name=n, install="patched", kv_cache_dtype="auto",
+                 scenarios=[dict(input_len=256, output_len=256, batch=1, output_tok_per_s=100.0)]) for n in ("bf16",
+                                                                                                            "tq4")]
+    assert "compiled while serving" not in bench.summarize(rows, "bf16")
+    rows[1]["jit_while_serving"] = events
+    assert "Kernels compiled while serving (vLLM's JIT monitor): tq4: tq_dequant_kernel, tq_rotate_kernel (2)" in \
+        bench.summarize(rows, "bf16")
+
