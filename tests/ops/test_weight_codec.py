@@ -136,3 +136,20 @@ def test_zero_groups_stay_zero_and_rotated_values_carry_the_scale():
     r = rotated_weight(q)  # |s c[idx]| = |w| per group (norm correction)
     torch.testing.assert_close(r.norm(dim=-1), w.reshape(96, 3, 128).norm(dim=-1), rtol=2e-3, atol=0)
     assert math.isclose(r.shape[-1], 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_encoded_weight_holds_only_its_bytes_on_the_gpu(name):
+    """Encoding on the GPU leaves exactly the packed indices and scales allocated, nothing cached beside them: what
+    vLLM reports as model memory for ``--quantization`` is the format table's bytes (a layer of the Qwen3-8B shape)."""
+    import gc
+
+    quantize_weight(torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16), name)  # codebook and rotation tables
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    w = quantize_weight(torch.randn(12288, 4096, device="cuda", dtype=torch.bfloat16), name)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before == w.nbytes() == get_weight_format(name).weight_bytes(12288, 4096)
