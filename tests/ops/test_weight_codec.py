@@ -141,8 +141,9 @@ def test_zero_groups_stay_zero_and_rotated_values_carry_the_scale():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FORMATS)
 def test_an_encoded_weight_holds_only_its_bytes_on_the_gpu(name):
-    """Encoding on the GPU leaves exactly the packed indices and scales allocated, nothing cached beside them: what
-    vLLM reports as model memory for ``--quantization`` is the format table's bytes (a layer of the Qwen3-8B shape)."""
+    """Encoding on the GPU leaves the packed indices and scales allocated, nothing cached beside them: what vLLM
+    reports as model memory for ``--quantization`` is the format table's bytes (a layer of the Qwen3-8B shape), up to
+    the caching allocator's rounding of each of the two tensors (a block it does not split, under 1 MiB)."""
     import gc
 
     quantize_weight(torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16), name)  # codebook and rotation tables
@@ -152,4 +153,5 @@ def test_an_encoded_weight_holds_only_its_bytes_on_the_gpu(name):
     w = quantize_weight(torch.randn(12288, 4096, device="cuda", dtype=torch.bfloat16), name)
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before == w.nbytes() == get_weight_format(name).weight_bytes(12288, 4096)
+    assert w.nbytes() == get_weight_format(name).weight_bytes(12288, 4096)
+    assert 0 <= torch.cuda.memory_allocated() - before - w.nbytes() < 2 << 20
