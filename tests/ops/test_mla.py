@@ -515,8 +515,9 @@ def test_a_tensor_parallel_rank_decodes_its_heads_as_the_whole_layer_does(name, 
         out_r, lse_r = mla_decode_attention(ql[:, heads].contiguous(), q_pe[:, heads].contiguous(), cache, lay, bt,
                                             sl, SOFTMAX_SCALE, num_splits=2, rotated=True)
         # Equal but for float rounding: the interpreter's products may sum a row in another order at another
-        # position of the head block (one bf16 step at most).
-        torch.testing.assert_close(out_r.float(), out[:, heads].float(), rtol=2**-7, atol=0)
+        # position of the head block, and the sum is rounded to bf16 after (two bf16 steps at most: a run of the
+        # CPU suite saw one output near zero two steps apart).
+        torch.testing.assert_close(out_r.float(), out[:, heads].float(), rtol=2**-6, atol=0)
         torch.testing.assert_close(lse_r, lse[:, heads], rtol=0, atol=1e-5)
         f_uk_r, f_uv_r = mla_absorbed_weights(lay, w_uk_t[heads], w_uv[heads])
         assert torch.equal(f_uk_r, f_uk[heads]) and torch.equal(f_uv_r, f_uv[heads])
