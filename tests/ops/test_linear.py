@@ -4,7 +4,9 @@ kernels/linear_jit.py's decoded weight + GEMM otherwise) against the plain-torch
 (ops.weight_codec.tq_linear_reference): both formats and both paths, 1 to 73 activation rows (8, 16 and 32 per
 program), output sizes that do not fill a tile, bias, bf16 activations with outliers beyond fp16's range, products
 split over ranges of groups, an input dimension whose last group is padded. In Triton's interpreter on the CPU (the
-decoded path: the register-tile kernel runs PTX the interpreter cannot), compiled on a GPU."""
+decoded path: the register-tile kernel runs PTX the interpreter cannot), compiled on a GPU. On the CPU for an sm_90
+target: every variant compiles without spills, and prefills of any size launch only variants vLLM's start-up
+compiled."""
 
 import pytest
 import torch
@@ -136,6 +138,61 @@ def test_kernel_compiles_for_sm90_without_spills():
     want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 4 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 6
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
+
+
+VARIANTS_PROBE = r'''
+import json
+import torch
+from tests.ops import sm90_probe
+
+seen = []
+sm90_probe.install(lambda launch: seen.append([launch.name, launch.key]))
+
+from turboquant_core.ops import linear as linear_ops
+from turboquant_core.ops.linear import tq_linear
+from turboquant_core.ops.weight_codec import quantize_weight
+
+linear_ops._gluon_runs = lambda device: True  # as on a GPU: up to MMA_MAX_ROWS rows, the register-tile kernel
+weights = [quantize_weight(torch.randn(64, n), fmt) for n in (4096, 12288) for fmt in ("tq4", "tq3")]
+
+
+def step(rows):
+    for w in weights:
+        tq_linear(torch.empty(rows, w.in_features, dtype=torch.bfloat16), w)
+
+
+# vLLM's start-up: the profile run at max_num_batched_tokens (8192), then each CUDA-graph capture size
+for rows in (8192, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+    step(rows)
+warm = {tuple(s) for s in seen}
+seen.clear()
+# Steps past the largest capture size run eagerly at their own token count: 7 prompts of 256 tokens beside a decode
+# (1,793 rows), a chunk's remainder, any prefill.
+for rows in [*range(513, 560), 1793, 2000, 2047, 2048, 3000, 8191]:
+    step(rows)
+serve = {tuple(s) for s in seen}
+print(json.dumps(dict(missing=sorted(serve - warm), kernels=sorted({k for k, _ in serve}))))
+'''
+
+
+def test_prefill_of_any_size_runs_a_variant_the_startup_compiled():
+    """A step past the CUDA-graph sizes (eager, its own row count) launches only kernel variants that vLLM's start-up
+    runs (profile run, graph capture; rows all multiples of 16) compiled: Triton's specialization keys for an sm_90
+    target, from its own binder."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    p = subprocess.run([sys.executable, "-c", VARIANTS_PROBE], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=root)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["kernels"] == ["tq_dequant_kernel", "tq_rotate_kernel"]
+    assert res["missing"] == [], f"variants compiled only while serving: {res['missing'][:2]}"
 
 
 @pytest.mark.gpu

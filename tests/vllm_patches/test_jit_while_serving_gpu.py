@@ -38,18 +38,13 @@ PHASES = [
     dict(name="long", prompts=_random_prompts(4, (3000,)), max_tokens=8, ignore_eos=True),
 ]
 
-# The weights' activation rotation compiled during the first eager prefill in every engine of
-# benchmarks/results/2026-11-27-h100x4-weights-suite/ (0.2-0.4 s of that batch's time to first token).
-WEIGHTS_ROTATION = pytest.mark.xfail(reason="tq_rotate_kernel compiles on the first prefill past the CUDA-graph "
-                                            "sizes (benchmarks/results/2026-11-27-h100x4-weights-suite/)")
-
 
 @pytest.mark.parametrize("kv_cache_dtype, quantization", [
     ("auto", None),
     ("turboquant_k3v4_nc", None),
     ("turboquant_4bit_nc", None),
-    pytest.param("auto", "tq4", marks=WEIGHTS_ROTATION),
-    pytest.param("turboquant_k3v4_nc", "tq4", marks=WEIGHTS_ROTATION),
+    ("auto", "tq4"),
+    ("turboquant_k3v4_nc", "tq4"),
 ])
 def test_no_kernel_compiles_while_serving(engine, kv_cache_dtype, quantization):
     engine_kwargs = dict(jit_monitor_verbose=True, **(dict(quantization=quantization) if quantization else {}))

@@ -46,7 +46,11 @@ def _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B: tl.constexp
     return bs, gi, col, b_mask, _dot(x, rot)
 
 
-@triton.jit
+# The row count is a step's token count, any number past the CUDA-graph sizes, and only masks rows: unspecialized,
+# every prefill runs the variant the engine's start-up compiled. Specialized, a count that 16 does not divide needs
+# a variant of its own, which no start-up run makes where the capture sizes past ops.linear.MMA_MAX_ROWS and
+# max_num_batched_tokens are all multiples of 16.
+@triton.jit(do_not_specialize=["num_rows"])
 def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLOCK_B: tl.constexpr):
     """XR [num_rows, groups * 128] (XR's type) = each group of X (zero past in_features) times ROT (M / 16): the
     rotated activation in kernel order, for BLOCK_B rows (program 0) and one group (program 1)."""

@@ -47,7 +47,9 @@ def _add_expert_group(acc, gi, X, W, S, TABLE, cb, rot, w_row, x_row, n_mask, to
     return acc + part * s[None, :]
 
 
-@triton.jit
+# num_valid (tokens x top-k) only masks rows: unspecialized, as linear_jit.tq_rotate_kernel's row count, so that a
+# step of any token count runs the variant the engine's start-up compiled.
+@triton.jit(do_not_specialize=["num_valid"])
 def tq_moe_linear_kernel(X, ROT, W, S, TABLE, TOPK_W, Y, SORTED, EXPERT_IDS, NUM_POST_PAD, num_valid, in_features,
                          out_features, groups, stride_x, stride_y, TOP_K: tl.constexpr, BITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
