@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_paged_attention import time_ms  # noqa: E402
 from turboquant_core.ops import linear as linear_ops  # noqa: E402
-from turboquant_core.ops.weight_codec import TQWeight  # noqa: E402
+from turboquant_core.ops.weight_codec import TQWeight, served_layout  # noqa: E402
 
 HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
@@ -58,7 +58,7 @@ def random_weight(fmt: str, out_features: int, in_features: int, device: str) ->
     groups = f.groups(in_features)
     packed = torch.randint(0, 256, (out_features, groups, 16 * f.bits), dtype=torch.uint8, device=device)
     scales = (torch.rand(out_features, groups, device=device) * 0.02 + 0.01).to(torch.float16)
-    return TQWeight(fmt, packed, scales, in_features)
+    return served_layout(TQWeight(fmt, packed, scales, in_features))  # as vLLM serves it
 
 
 def copy_gbps(device: str) -> float:

@@ -88,14 +88,14 @@ driver.set_active(Sm90Driver())
 from turboquant_core.formats import get_weight_format
 from turboquant_core.ops import linear
 from turboquant_core.ops.compile_ahead import compile_variant, recording_variants
-from turboquant_core.ops.weight_codec import TQWeight
+from turboquant_core.ops.weight_codec import TQWeight, served_layout
 
 linear._gluon_runs = lambda device: True
 fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 f = get_weight_format(fmt)
 groups = f.groups(in_features)
-w = TQWeight(fmt, torch.zeros(out_features, groups, 16 * f.bits, dtype=torch.uint8),
-             torch.zeros(out_features, groups, dtype=torch.float16), in_features)
+w = served_layout(TQWeight(fmt, torch.zeros(out_features, groups, 16 * f.bits, dtype=torch.uint8),
+                           torch.zeros(out_features, groups, dtype=torch.float16), in_features))
 out = []
 for rows in map(int, sys.argv[5].split(",")):
     with recording_variants() as found:

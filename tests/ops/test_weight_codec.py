@@ -12,8 +12,12 @@ from turboquant_core.formats import WEIGHT_FORMATS, get_format, get_weight_forma
 from turboquant_core.ops.weight_codec import (
     TQWeight,
     dequantize_weight,
+    from_kernel_words,
     quantize_weight,
     rotated_weight,
+    served_layout,
+    sign_magnitude,
+    to_kernel_words,
     tq_linear_reference,
 )
 from turboquant_core.packing import unpack_indices
@@ -155,3 +159,49 @@ def test_an_encoded_weight_holds_only_its_bytes_on_the_gpu(name):
     torch.cuda.synchronize()
     assert w.nbytes() == get_weight_format(name).weight_bytes(12288, 4096)
     assert 0 <= torch.cuda.memory_allocated() - before - w.nbytes() < 2 << 20
+
+
+def test_sign_magnitude_fields_rank_the_magnitudes():
+    """Bits 0-2 of a sign-magnitude field rank |c| (0 the smallest), bit 3 marks the positive half; the relabelling
+    is its own inverse."""
+    from turboquant_core.codebooks import codebook_tensors
+
+    c = codebook_tensors(4, 128, "cpu")[0].float()
+    i = torch.arange(16)
+    f = sign_magnitude(i)
+    assert torch.equal(sign_magnitude(f), i)
+    magnitudes = c[8:]  # ascending
+    assert torch.equal(c[i].abs(), magnitudes[f & 7]) and torch.equal(c[i] > 0, (f & 8) > 0)
+
+
+def test_kernel_words_are_the_planes_merged_per_slot():
+    """Served tq4 (``served_layout``): word w of a group holds byte w of each plane (plane k in byte k), its fields
+    in sign-magnitude form; the same bytes, decoded alike, and back to planar8 exactly. tq3 is served as stored."""
+    w = quantize_weight(_weight(heavy=True), "tq4")
+    served = served_layout(w)
+    served.check()
+    assert served.kernel_words and served.packed.dtype == torch.int32 and served.packed.shape == (96, 3, 16)
+    assert served.nbytes() == w.nbytes() and served.scales is w.scales
+    assert torch.equal(from_kernel_words(served.packed), w.packed)
+    words = served.packed.view(torch.uint8).reshape(96, 3, 16, 4)  # little-endian bytes of each word
+    planes = w.packed.reshape(96, 3, 4, 16)
+    lo, hi = planes & 0xF, planes >> 4
+    want = (sign_magnitude(lo) | (sign_magnitude(hi) << 4)).transpose(-1, -2)
+    assert torch.equal(words, want)
+    assert torch.equal(dequantize_weight(served), dequantize_weight(w))
+    assert served_layout(served) is served
+    tq3 = quantize_weight(_weight(), "tq3")
+    assert served_layout(tq3) is tq3
+
+
+def test_kernel_words_refuse_what_they_do_not_hold():
+    w = quantize_weight(_weight(), "tq4")
+    with pytest.raises(ValueError, match="4-bit planar8 groups"):
+        to_kernel_words(quantize_weight(_weight(), "tq3").packed)
+    with pytest.raises(ValueError, match="expected kernel words int32"):
+        from_kernel_words(w.packed)
+    with pytest.raises(ValueError, match=r"packed indices must be uint8 \(96, 3, 48\), got int32"):
+        TQWeight("tq3", to_kernel_words(w.packed), w.scales, 384).check()
+    with pytest.raises(ValueError, match=r"packed indices must be int32 \(96, 3, 16\), got int32 \(96, 2, 16\)"):
+        TQWeight("tq4", to_kernel_words(w.packed)[:, :2], w.scales, 384).check()
+

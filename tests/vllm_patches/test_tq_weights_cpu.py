@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turboquant_core.ops.weight_codec import quantize_weight, tq_linear_reference
+from turboquant_core.ops.weight_codec import quantize_weight, served_layout, tq_linear_reference
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_linear_layers_encode_at_load_and_compute_the_rotated_product(vllm_linea
         weight, x = torch.randn(out, inp, generator=g) * 0.05, torch.randn(5, inp, generator=g)
         bias = torch.randn(out, generator=g) if layer is col else None
         _load(layer, weight, bias)
-        q = quantize_weight(weight, name)
-        assert layer.weight.dtype == torch.uint8
+        q = served_layout(quantize_weight(weight, name))  # tq4 as kernel words, tq3 as stored
+        assert layer.weight.dtype == (torch.int32 if name == "tq4" else torch.uint8)
         assert torch.equal(layer.weight, q.packed) and torch.equal(layer.weight_scale, q.scales)
         got = layer(x)[0]
         want = tq_linear_reference(x, q, bias)
@@ -77,8 +77,8 @@ def test_a_layer_is_encoded_when_its_last_shard_loads_and_never_exists_whole_bef
         layer.weight.weight_loader(layer.weight, shards[sid], sid)
         assert layer.weight.is_meta  # buffered, not materialized
     layer.weight.weight_loader(layer.weight, shards["v"], "v")
-    assert layer.weight.dtype == torch.uint8 and not layer.weight.is_meta
-    want = quantize_weight(torch.cat([shards["q"], shards["k"], shards["v"]]), "tq4")
+    assert layer.weight.dtype == torch.int32 and not layer.weight.is_meta  # tq4 served as kernel words
+    want = served_layout(quantize_weight(torch.cat([shards["q"], shards["k"], shards["v"]]), "tq4"))
     assert torch.equal(layer.weight, want.packed) and torch.equal(layer.weight_scale, want.scales)
     layer.quant_method.process_weights_after_loading(layer)  # the model-wide pass: nothing left to do
     assert torch.equal(layer.weight, want.packed)
@@ -100,7 +100,7 @@ def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):
     odd = linear.ReplicatedLinear(200, 64, bias=False, params_dtype=torch.float32, quant_config=config, prefix="odd")
     weight, x = torch.randn(64, 200) * 0.05, torch.randn(3, 200)
     _load(odd, weight)
-    assert odd.weight.shape == (64, 2, 64) and odd.weight_scale.shape == (64, 2)
+    assert odd.weight.shape == (64, 2, 16) and odd.weight_scale.shape == (64, 2)  # kernel words
     want = tq_linear_reference(x, quantize_weight(weight, "tq4"))
     torch.testing.assert_close(odd(x)[0], want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
@@ -117,7 +117,7 @@ def test_moe_routers_stay_in_full_precision(vllm_linear):
     proj = linear.ReplicatedLinear(256, 8, bias=False, params_dtype=torch.float32, quant_config=config,
                                    prefix="model.layers.0.mlp.gate_proj")
     _load(proj, torch.randn(8, 256))
-    assert proj.weight.dtype == torch.uint8
+    assert proj.weight.dtype == torch.int32
 
 
 def test_names_in_the_engine_arguments_and_checkpoints_already_quantized(vllm_linear):
@@ -159,6 +159,8 @@ def test_checkpoint_layers_load_the_stored_bytes_shard_by_shard(vllm_linear):
         qkv.weight_scale.weight_loader(qkv.weight_scale, q.scales, shard)
     whole = quantize_weight(torch.cat(list(weights.values())), "tq4")
     assert torch.equal(qkv.weight_packed.data, whole.packed) and torch.equal(qkv.weight_scale.data, whole.scales)
+    qkv.quant_method.process_weights_after_loading(qkv)  # served as kernel words
+    assert torch.equal(qkv.weight_packed.data, served_layout(whole).packed)
     x = torch.randn(4, 256, generator=g)
     want = tq_linear_reference(x, whole)
     torch.testing.assert_close(qkv(x.bfloat16())[0].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
@@ -168,6 +170,7 @@ def test_checkpoint_layers_load_the_stored_bytes_shard_by_shard(vllm_linear):
     q = quantize_weight(torch.randn(64, 384, generator=g) * 0.05, "tq4")
     row.weight_packed.weight_loader(row.weight_packed, q.packed)
     row.weight_scale.weight_loader(row.weight_scale, q.scales)
+    row.quant_method.process_weights_after_loading(row)
     x = torch.randn(2, 384, generator=g)
     want = tq_linear_reference(x, q)
     torch.testing.assert_close(row(x.bfloat16())[0].float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -49,6 +49,16 @@ SYMMETRIC_LOOKUP8_ASM = tl.constexpr(
     "shr.b32 m, m, 16; "
     "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
     "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
+# The same over sign-magnitude fields (the served kernel words of ``ops.weight_codec``: a field i < 8 stored as
+# 7 - i): the magnitude index is the field's bits 0-2 as they are, one AND for all 8.
+SIGN_MAGNITUDE_LOOKUP8_ASM = tl.constexpr(
+    "{ .reg .b32 m, x4, l, h, s, p, q; "
+    "and.b32 m, $8, 0x77777777; shl.b32 x4, $8, 4; "
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; "
+    "shr.b32 m, m, 16; "
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
 
 
 @triton.jit

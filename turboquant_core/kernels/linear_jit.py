@@ -8,7 +8,9 @@ Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R
   kernel order of ``codebook_lookup_jit`` (position 8 q + r of a group holds rotated coordinate bitrev3(r) * 16 + q):
   R x_g / sqrt(2), exact products, fp32 sums, in the activation's type.
 - ``tq_dequant_kernel``: sqrt(2) * s * c[idx] per group, the weight in the rotated domain and in the same order,
-  for a GEMM (cuBLAS) against the rotated activation: the prefill-sized product.
+  for a GEMM (cuBLAS) against the rotated activation: the prefill-sized product. Reads planar8 bytes, or with WORDS
+  the served kernel words (``ops.weight_codec``: one int32 per slot, sign-magnitude fields looked up in a table
+  reordered to match).
 - ``tq_rotate_fp16_kernel``: the activation operand of ``linear_mma_jit`` (its own K order, fp16 with a power-of-two
   scale per row and group).
 """
@@ -76,15 +78,21 @@ def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, strid
 
 
 @triton.jit
-def tq_dequant_kernel(W, S, TABLE, OUT, out_features, groups, stride_out, BITS: tl.constexpr, BLOCK_O: tl.constexpr):
+def tq_dequant_kernel(W, S, TABLE, OUT, out_features, groups, stride_out, BITS: tl.constexpr, BLOCK_O: tl.constexpr,
+                      WORDS: tl.constexpr = False):
     """OUT [out, groups * 128] (OUT's type, rows stride_out apart) = sqrt(2) * s * c[idx] of group (program 1) for
-    BLOCK_O rows (program 0), in kernel order."""
+    BLOCK_O rows (program 0), in kernel order. W: planar8 bytes, or with WORDS kernel words (int32 [out, groups,
+    16]) and TABLE indexed by their sign-magnitude fields."""
     DT: tl.constexpr = OUT.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
     gi = tl.program_id(1)
     row_mask = rows < out_features
     w_row = rows.to(tl.int64) * groups
-    word = _load_words(W, (w_row + gi) * (16 * BITS), row_mask, 0, 16, 16, BITS)
+    if WORDS:
+        slot = tl.arange(0, 16)
+        word = tl.load(W + (w_row + gi)[:, None] * 16 + slot[None, :], mask=row_mask[:, None], other=0).to(tl.uint32)
+    else:
+        word = _load_words(W, (w_row + gi) * (16 * BITS), row_mask, 0, 16, 16, BITS)
     w_tile = _dequant_words(word, TABLE, _codebook_registers(TABLE, BITS, tl.float16), BLOCK_O, 16, BITS)
     s = tl.load(S + w_row + gi, mask=row_mask, other=0.0).to(tl.float32) * SQRT2
     d = tl.arange(0, GROUP)

@@ -6,12 +6,14 @@ The weight plays the part the keys play in the register-tile decode attention (`
 BN output rows (BN / 16 MMA row tiles), and per group of 128 inputs loads the rows' packed planes straight into the
 threads whose MMA A-operand fragments their fields fill (``key_word_layout``), looks the fields up in a register
 codebook (4-bit ones through the codebook's symmetry about zero: ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM``) and
-multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32 accumulators):
-no shared memory, no layout conversion. The activation, NQ = 8, 16 or 32 rows per program as the MMA columns, comes
-rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in this kernel's K order
-(``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group). Each group's product
-is scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators. When the
-output tiles are too few to fill the GPU the groups are split over programs (split-K): each writes fp32 partial
+multiplies the [BN, 128] tile by the activation columns (``mma.sync`` m16n8k16, fp16 operands, fp32 accumulators): no
+shared memory, no layout conversion. tq4 weights come as the served kernel words (``ops.weight_codec``): the words
+the plane loads would be merged into, stored so, with sign-magnitude fields whose magnitude rank is their bits 0-2
+(``codebook_lookup_jit.SIGN_MAGNITUDE_LOOKUP8_ASM``). The activation, NQ = 8, 16 or 32 rows per program as the MMA
+columns, comes rotated from ``linear_jit.tq_rotate_fp16_kernel``: each group's rotated coordinates in this kernel's K
+order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scale per (row, group). Each group's
+product is scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators. When
+the output tiles are too few to fill the GPU the groups are split over programs (split-K): each writes fp32 partial
 sums, and the last program of a tile to arrive (an atomic counter per tile, which it resets to zero) adds them in a
 fixed order and writes the output.
 """
@@ -20,10 +22,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .codebook_lookup_jit import SYMMETRIC_LOOKUP8_ASM
+from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
+SIGN_MAGNITUDE_ASM = gl.constexpr(SIGN_MAGNITUDE_LOOKUP8_ASM.value)
 
 
 @gluon.jit
@@ -35,11 +38,13 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
 
 
 @gluon.jit
-def _fields_symmetric(word, m0, m1, m2, m3):
+def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
     """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
-    ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words)."""
+    ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words); with
+    SIGN_MAGNITUDE the fields are sign-magnitude (kernel words) and their rank is read, not computed."""
     f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
-        SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [word, m0, m1, m2, m3],
+        SIGN_MAGNITUDE_ASM if SIGN_MAGNITUDE else SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+        [word, m0, m1, m2, m3],
         dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
     f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
                       f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
@@ -52,13 +57,14 @@ def _fields_symmetric(word, m0, m1, m2, m3):
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr):
+                         SPLIT: gl.constexpr, WORDS: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
-    [out, groups, 16 * BITS] (planar8 per group); S fp16 [out, groups]; c0..c7 the codebook's words
-    (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output rows BN o.. (a multiple of 16:
-    BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups k * groups_per_split.. (at
-    most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a tile's
-    programs (COUNT int32, one zero per tile) adding them into Y."""
+    [out, groups, 16 * BITS] (planar8 per group), or with WORDS (4-bit) the kernel words int32 [out, groups, 16]
+    (``ops.weight_codec``: each thread's four words one 16-byte load, no plane merge); S fp16 [out, groups];
+    c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
+    rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
+    k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
+    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -91,14 +97,26 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
-    # The next group's planes are loaded before this group's are decoded: two loads in flight per warp.
-    n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
+    # The next group's words (or planes) are loaded before this group's are decoded: two loads in flight per warp.
+    if WORDS:  # word (row, lane group l, g) at 16 words per group and row: slot 4 l + g, the thread's four adjacent
+        wl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l))
+        wg = gl.arange(0, GR, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
+        wptr = (W + (prow.to(gl.int64) * groups * 16)[:, None, None] + (wl * GR)[None, :, None]
+                + wg[None, None, :])
+        nw = gl.load(wptr + g0 * 16).to(gl.uint32, bitcast=True)
+    else:
+        n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
     for gi in range(g0, g1):
-        p0, p1, p2, p3 = n0, n1, n2, n3
-        n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS, GR)
-        kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
+        if WORDS:
+            kw = nw
+            nw = gl.load(wptr + gl.minimum(gi + 1, g1 - 1) * 16).to(gl.uint32, bitcast=True)
+        else:
+            p0, p1, p2, p3 = n0, n1, n2, n3
+            n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS,
+                                          GR)
+            kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
         if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
-            kf = _fields_symmetric(kw, c0, c1, c2, c3)  # [BN, 4, GR, 2, 2, 2]
+            kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
         else:
             kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
         kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)

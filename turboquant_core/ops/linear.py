@@ -21,7 +21,7 @@ from ..codebooks import codebook_tensors
 from ..formats import get_weight_format
 from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
-from .weight_codec import TQWeight
+from .weight_codec import TQWeight, sign_magnitude
 
 MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this never split
 DEQUANT_BLOCK_O = 32
@@ -42,9 +42,14 @@ def mma_tiles(rows: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _codebook(fmt_name: str, device: str) -> torch.Tensor:
+def _codebook(fmt_name: str, device: str, sign_magnitude_fields: bool = False) -> torch.Tensor:
+    """The format's codebook (float32), indexed by Lloyd-Max index, or by the sign-magnitude fields of kernel
+    words (``weight_codec.sign_magnitude``)."""
     fmt = get_weight_format(fmt_name)
-    return codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float().to(device)
+    cb = codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float()
+    if sign_magnitude_fields:
+        cb = cb[sign_magnitude(torch.arange(cb.numel()))]
+    return cb.to(device)
 
 
 @functools.lru_cache(maxsize=32)
@@ -174,7 +179,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
         per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
-        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, num_warps=1)
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
     return y
 
 
@@ -187,8 +192,9 @@ def decoded_weight(w: TQWeight, dtype: torch.dtype) -> torch.Tensor:
     groups = fmt.groups(w.in_features)
     out = torch.empty(w.out_features, groups * fmt.group_size, dtype=dtype, device=w.packed.device)
     grid = (triton.cdiv(w.out_features, DEQUANT_BLOCK_O), groups)
-    tq_dequant_kernel[grid](w.packed, w.scales, _codebook(fmt.name, str(w.packed.device)), out, w.out_features,
-                            groups, out.stride(0), BITS=fmt.bits, BLOCK_O=DEQUANT_BLOCK_O)
+    table = _codebook(fmt.name, str(w.packed.device), w.kernel_words)
+    tq_dequant_kernel[grid](w.packed, w.scales, table, out, w.out_features, groups, out.stride(0), BITS=fmt.bits,
+                            BLOCK_O=DEQUANT_BLOCK_O, WORDS=w.kernel_words)
     return out
 
 

@@ -121,12 +121,12 @@ class TQLinearMethod(LinearMethodBase):
         initialize_online_processing(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        from ..ops.weight_codec import quantize_weight
+        from ..ops.weight_codec import quantize_weight, served_layout
 
-        if layer.weight.dtype == torch.uint8:  # encoded when its last shard loaded (layerwise), or earlier
+        if not layer.weight.dtype.is_floating_point:  # encoded when its last shard loaded (layerwise), or earlier
             return
-        q = quantize_weight(layer.weight.data, self.fmt)
-        # The packed indices take the weight's place; the full-precision tensor is freed here.
+        q = served_layout(quantize_weight(layer.weight.data, self.fmt))
+        # The packed indices (as the kernels take them) take the weight's place; the full-precision tensor is freed.
         layer.weight = torch.nn.Parameter(q.packed, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
 
@@ -235,6 +235,15 @@ class TQPackedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight_scale", scale)
         set_weight_attrs(packed, extra_weight_attrs)
         set_weight_attrs(scale, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from ..ops.weight_codec import TQWeight, served_layout
+
+        if layer.weight_packed.dtype != torch.uint8:  # already served
+            return
+        w = served_layout(TQWeight(self.fmt.name, layer.weight_packed.data, layer.weight_scale.data,
+                                   layer.input_size_per_partition))
+        layer.weight_packed = torch.nn.Parameter(w.packed, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name, bias)
