@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _lookup_selectors, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
@@ -410,8 +411,11 @@ def tq_paged_decode_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def tq_rotate_queries_kernel(Q, stride_qt, stride_qh, ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, num_rows, scale,
                              HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
-                             BR: tl.constexpr):
-    """Rows (token, head) of q [T, Hq, D] -> (R q) * scale in the decode kernel's K order, fp16 [T, Hq, DP]."""
+                             BR: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows (token, head) of q [T, Hq, D] -> (R q) * scale in the decode kernel's K order, fp16 [T, Hq, DP].
+    ``PDL``: the attention after it may launch as soon as every program has started (it waits for this grid)."""
+    if PDL:
+        gdc_launch_dependents()
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
@@ -460,7 +464,7 @@ def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS
                             ROT_HI, ROT_LO, QROT, stride_rt, stride_rh, rot_scale,
                             HQ: tl.constexpr, GQ: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, BG: tl.constexpr, ROT_HALF: tl.constexpr, NEOX: tl.constexpr,
-                            ROTATE: tl.constexpr, EXACT: tl.constexpr):
+                            ROTATE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (requests, head blocks of HB, blocks of BG 16-token groups): the key-centering logits of each request's
     query token (its last; one per request) for the 16-token groups of its sequence,
     LOGITS[t, h // GQ, g, h % GQ] = s * (w . PC[p] + z . PS[p]) with p = g * 16 // PAGE the group's page: w, z and
@@ -470,7 +474,10 @@ def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS
     GQ are written. A block of BG groups reads its table rows once for HB heads.
 
     ``ROTATE``: the first group block's programs also write the heads' queries as ``tq_rotate_queries_kernel``
-    does, (R q) * rot_scale in fp16 to QROT, so that the decode takes one launch fewer."""
+    does, (R q) * rot_scale in fp16 to QROT, so that the decode takes one launch fewer. ``PDL``: the attention after
+    it may launch once every program has made its products (it waits for this grid before reading QROT and LOGITS);
+    a trigger at the start would let the attention's programs take SMs while programs of this grid still wait for
+    one."""
     req = tl.program_id(0)
     tok = tl.load(QUERY_START + req).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -491,6 +498,8 @@ def tq_center_logits_kernel(Q, stride_qt, stride_qh, QUERY_START, SEQ_LENS, SUMS
     row = tl.minimum(g * 16 // PAGE, num_pages - 1).to(tl.int64)[:, None] * D + i[None, :]
     acc = tl.dot(tl.load(PAGE_COS16 + row), tl.trans(w))
     acc = tl.dot(tl.load(PAGE_SIN16 + row), tl.trans(z), acc)
+    if PDL:
+        gdc_launch_dependents()
     tl.store(LOGITS + tok * stride_lt + (h // GQ * stride_lh + h % GQ)[None, :] + g[:, None] * 8,
              acc * row_scale[None, :], mask=(g < groups)[:, None] & hmask[None, :])
 
@@ -522,12 +531,16 @@ def _merge_split_chunk(PART_O, stride_pos, stride_pot, stride_poh, PART_L, strid
 @triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_pos", "stride_pot", "stride_pls"])
 def tq_merge_split_groups_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt, num_rows, num_splits,
-    HQ: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr, SC: tl.constexpr,
+    HQ: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr, SC: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The first level of a merge of many splits, grid (row blocks, split groups): splits g SC .. g SC + SC - 1 of
     rows (token, head) merged into split g SC's own workspace (normalized output, log2-sum-exp), which
     ``tq_merge_unrotate_kernel`` then reads at SC times the split stride. A program reads its splits before it
-    writes the first of them, and no other program reads them."""
+    writes the first of them, and no other program reads them. ``PDL``: launched as a programmatic dependent of
+    the attention, whose grid it waits for before reading."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)
@@ -549,7 +562,7 @@ def tq_merge_unrotate_kernel(
     PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
     ROT_HI, ROT_LO, OUT, stride_ot, stride_oh, LSE, stride_lh, num_rows, num_splits, v_rot_scale,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, EXACT: tl.constexpr,
-    BR: tl.constexpr, SC: tl.constexpr, ONE_SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BR: tl.constexpr, SC: tl.constexpr, ONE_SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Rows (token, head): merge the splits' partial outputs (V order) by their log2-sum-exp, then rotate
     back once: out = (y R_V) * v_rot_scale, y scaled to max |y| = 1 first so the fp16 product operands
@@ -557,7 +570,10 @@ def tq_merge_unrotate_kernel(
 
     The splits come SC at a time: their log2-sum-exps in one load, their partial outputs in SC loads that wait
     for nothing (unrolled), merged into a running maximum; a merge waits on memory once per SC splits, not
-    twice per split. ``ONE_SPLIT`` (num_splits == 1): no merge, the partial output rotated back."""
+    twice per split. ``ONE_SPLIT`` (num_splits == 1): no merge, the partial output rotated back. ``PDL``: launched
+    as a programmatic dependent of the kernel before it, whose grid it waits for before reading."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = r < num_rows
     t = (r // HQ).to(tl.int64)

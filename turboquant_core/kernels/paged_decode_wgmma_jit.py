@@ -256,6 +256,19 @@ def _halves(x):
 # count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
 # stride, the request metadata slices, the split count, the partial outputs' strides and the centering logits'
 # strides (their group count follows the batch's longest sequence).
+@gluon.jit
+def _grid_dependency_wait():
+    """Programmatic dependent launch: wait until the previous grid has finished and its writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _launch_dependents():
+    """Programmatic dependent launch: the next grid may launch once every program of this one has called this."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
 @gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
                               "num_splits", "stride_lt", "stride_lh"])
 def tq_paged_decode_wgmma_kernel(
@@ -269,7 +282,7 @@ def tq_paged_decode_wgmma_kernel(
     LOGITS, stride_lt, stride_lh,
     GQ: gl.constexpr, PAGE: gl.constexpr,
     K_IDX_OFF: gl.constexpr, V_IDX_OFF: gl.constexpr, K_SC_OFF: gl.constexpr, V_SC_OFF: gl.constexpr,
-    P_EXP: gl.constexpr, CENTER: gl.constexpr,
+    P_EXP: gl.constexpr, CENTER: gl.constexpr, PDL: gl.constexpr = False,
 ):
     """Grid (requests, KV heads, splits), one warpgroup each; one query token per request (its last), the GQA group's GQ
     <= 8 heads as MMA columns. QROT [T, Hq, 128] fp16: queries rotated into ``WGMMA_KEY_ORDER``, pre-scaled to the log2
@@ -287,7 +300,12 @@ def tq_paged_decode_wgmma_kernel(
     end). Both modes keep the terms of 64 groups of 16 tokens (1024 tokens) at a time in shared memory, and each tile
     reads its 4 groups back. CENTER = 2: they are copied from LOGITS [T, KV heads, groups, 8] fp32
     (``tq_center_logits_kernel``) one block ahead, with the tile copies. CENTER = 1 (where those do not fit the
-    workspace): they are computed here, as one fp16 warpgroup product [64 groups, 256] . [256, 8] per block."""
+    workspace): they are computed here, as one fp16 warpgroup product [64 groups, 256] . [256, 8] per block.
+
+    ``PDL``: launched as a programmatic dependent of the launch before it (the logits or the query rotation), which
+    lets it start once all that launch's programs have: the set-up and the first tile's copies (the pages, written
+    before that launch started) run before the wait for its grid, and QROT, LOGITS and CWZ are read after. The split
+    merge after it may launch once every program has left its tile loop (it waits for this grid before reading)."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(GQ <= 8, "the GQA group fills at most the 8 MMA columns")
     gl.static_assert(PAGE % 16 == 0, "a warp's 16 token rows lie in one page")
@@ -311,25 +329,6 @@ def tq_paged_decode_wgmma_kernel(
     ps_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-
-    # Q'^T in shared memory, K-major (e4m3 B operands must be): stored [8 q, 128 d], read as [128, 8]. Column c is
-    # head kvh * GQ + c (zero past the group), scaled by a power of two into e4m3's range.
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
-    qr = gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
-    qc = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
-    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qr)[:, None] * stride_qh + qc[None, :],
-                mask=(qr < GQ)[:, None] & (qc < 128)[None, :], other=0.0).to(gl.float32)
-    amax = gl.max(gl.abs(q), axis=1)
-    q_exp = gl.where(amax > 0, gl.floor(gl.log2(448.0 / gl.where(amax > 0, amax, 1.0))), 0.0)
-    q_exp = gl.where(amax * gl.exp2(q_exp) >= 448.0, q_exp - 1.0, q_exp)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 128], sm_l, (q * gl.exp2(q_exp)[:, None]).to(gl.float8e4nv))
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 64], ps_l)
-    # the 4 warps' score maxima of a tile, by tile parity: one barrier exchanges them, and a warp a tile ahead writes
-    # the other half
-    mx_smem = gl.allocate_shared_memory(gl.float32, [2, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    all_tok = gl.arange(0, 64, layout=gl.SliceLayout(0, _all_scales_layout()))
-    cols = gl.arange(0, 8, layout=col_l)
-    q_unscale = gl.exp2(-gl.convert_layout(q_exp, col_l))
 
     head = CACHE + kvh.to(gl.int64) * stride_ch
     bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
@@ -363,6 +362,29 @@ def tq_paged_decode_wgmma_kernel(
     g3: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 8, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])
+    if PDL:
+        _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
+                    PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+        _grid_dependency_wait()
+    # Q'^T in shared memory, K-major (e4m3 B operands must be): stored [8 q, 128 d], read as [128, 8]. Column c is
+    # head kvh * GQ + c (zero past the group), scaled by a power of two into e4m3's range.
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 4], [1, 0])
+    qr = gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+    qc = gl.arange(0, 128, layout=gl.SliceLayout(0, blk))
+    q = gl.load(QROT + tok * stride_qt + (kvh * GQ + qr)[:, None] * stride_qh + qc[None, :],
+                mask=(qr < GQ)[:, None] & (qc < 128)[None, :], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), axis=1)
+    q_exp = gl.where(amax > 0, gl.floor(gl.log2(448.0 / gl.where(amax > 0, amax, 1.0))), 0.0)
+    q_exp = gl.where(amax * gl.exp2(q_exp) >= 448.0, q_exp - 1.0, q_exp)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 128], sm_l, (q * gl.exp2(q_exp)[:, None]).to(gl.float8e4nv))
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, 64], ps_l)
+    # the 4 warps' score maxima of a tile, by tile parity: one barrier exchanges them, and a warp a tile ahead writes
+    # the other half
+    mx_smem = gl.allocate_shared_memory(gl.float32, [2, 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    all_tok = gl.arange(0, 64, layout=gl.SliceLayout(0, _all_scales_layout()))
+    cols = gl.arange(0, 8, layout=col_l)
+    q_unscale = gl.exp2(-gl.convert_layout(q_exp, col_l))
+
     if CENTER == 2:
         # the logits of two blocks' 64 groups (by block parity), each block's copied with the tile copies a block
         # ahead: shared memory, not registers, carries them across the tile loop
@@ -374,8 +396,12 @@ def tq_paged_decode_wgmma_kernel(
         # (whole multiples of 8 columns: 32-byte rows, copied 16 bytes at a time)
         lg_base = LOGITS + tok * (stride_lt // 8 * 8) + kvh.to(gl.int64) * (stride_lh // 8 * 8)
         _copy_logits(lg_base, lo // 1024, hi, stride_lh // 8, lg_row, lg_col, lg_smem, GQ)
-    _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
-                PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
+        if PDL:
+            # a commit group of their own after the first tile's: the first tile's wait covers both
+            async_copy.commit_group()
+    if not PDL:
+        _stage_tile(head, bt_row, last_blk, lo, hi, c_pg, k_off, k_ok, v_off, s_off, stage_buf, s_st, 0, stride_cb,
+                    PAGE, K_IDX_OFF, V_IDX_OFF, kc_l, vc_l, sc_l)
     if CENTER == 1:
         # B operand of the centre product: [w | z] of the group's heads in 8 chunks of 32 (one 64-byte swizzle row
         # each), read as [32, 8] per chunk; zero past the group.
@@ -522,6 +548,8 @@ def tq_paged_decode_wgmma_kernel(
             vt = gl.convert_layout(vt, a_op, assert_trivial=True)
             acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc)
             gl.thread_barrier()  # P^T is rewritten by the next tile
+    if PDL:
+        _launch_dependents()
     l_i = gl.sum(l_acc, axis=0)
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     o = acc * (gl.exp2(e_v - P_EXP) / l_safe)[None, :]

@@ -253,12 +253,12 @@ def center_query_operands(plan, q: torch.Tensor, cwz: torch.Tensor, cscale: torc
 
 
 def center_logits(plan, q: torch.Tensor, centering, center_sums: torch.Tensor, logits: torch.Tensor,
-                  rotate: tuple | None = None) -> None:
+                  rotate: tuple | None = None, pdl: bool = False) -> None:
     """The centering logits of a decode batch (one query token per request) for every 16-token group of each
     request's sequence into ``logits`` [T, KV heads, groups, 8] (``tq_center_logits_kernel``), from the queries and
     the requests' first-page sums: the attention adds them per group instead of computing them. ``rotate`` =
     (rotation (hi, lo), qrot, scale, exact): the same launch writes the rotated queries, as
-    ``tq_rotate_queries_kernel`` would."""
+    ``tq_rotate_queries_kernel`` would. ``pdl``: the next launch is a programmatic dependent of this one."""
     from ..kernels.paged_decode_jit import tq_center_logits_kernel
 
     hq, d, groups = plan.num_q_heads, plan.layout.head_dim, logits.shape[2]
@@ -271,7 +271,8 @@ def center_logits(plan, q: torch.Tensor, centering, center_sums: torch.Tensor, l
         centering.num_pages, logits, logits.stride(0), logits.stride(1),
         rot_hi, rot_lo, qrot, qrot.stride(0), qrot.stride(1), rot_scale,
         HQ=hq, GQ=plan.group, HB=hb, D=d, PAGE=plan.layout.block_size, BG=CENTER_LOGITS_GROUPS,
-        ROT_HALF=centering.rot_half, NEOX=centering.neox, ROTATE=rotate is not None, EXACT=exact, num_warps=4)
+        ROT_HALF=centering.rot_half, NEOX=centering.neox, ROTATE=rotate is not None, EXACT=exact, PDL=pdl,
+        num_warps=4)
 
 
 def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -293,10 +294,16 @@ def center_logits_ref(cwz: torch.Tensor, cscale: torch.Tensor, query_start_loc: 
     return out
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """Launch options of a programmatic dependent launch whose kernel waits for the grid before it (``PDL``)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch.Tensor, torch.Tensor],
                    out: torch.Tensor, lse: torch.Tensor | None, rows: int, num_splits: int, v_rot_scale: float,
-                   num_q_heads: int, head_dim: int, exact_rot: bool) -> None:
-    """The split merge and rotation back of a decode batch's partial outputs (``tq_merge_unrotate_kernel``)."""
+                   num_q_heads: int, head_dim: int, exact_rot: bool, pdl: bool = False) -> None:
+    """The split merge and rotation back of a decode batch's partial outputs (``tq_merge_unrotate_kernel``).
+    ``pdl``: its launches are programmatic dependents of the launch before each (sm_90 and later)."""
     from ..kernels.paged_decode_jit import tq_merge_split_groups_kernel, tq_merge_unrotate_kernel
 
     write_lse = lse is not None
@@ -306,7 +313,8 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
     if num_splits > MERGE_GROUPS_FROM * sc:
         tq_merge_split_groups_kernel[(triton.cdiv(rows, MERGE_ROWS_PER_PROGRAM), triton.cdiv(num_splits, sc))](
             part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1), rows,
-            num_splits, HQ=num_q_heads, DP=head_dim, BR=MERGE_ROWS_PER_PROGRAM, SC=sc, num_warps=MERGE_WARPS)
+            num_splits, HQ=num_q_heads, DP=head_dim, BR=MERGE_ROWS_PER_PROGRAM, SC=sc, num_warps=MERGE_WARPS,
+            **_pdl_launch(pdl))
         num_splits, stride_pos, stride_pls = triton.cdiv(num_splits, sc), stride_pos * sc, stride_pls * sc
     one = num_splits == 1
     br = UNSPLIT_ROWS_PER_PROGRAM if one else MERGE_ROWS_PER_PROGRAM
@@ -314,7 +322,7 @@ def merge_unrotate(part_o: torch.Tensor, part_l: torch.Tensor, vrot: tuple[torch
         part_o, stride_pos, part_o.stride(1), part_o.stride(2), part_l, stride_pls, part_l.stride(1),
         vrot[0], vrot[1], out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0), rows, num_splits,
         v_rot_scale, HQ=num_q_heads, D=head_dim, DP=head_dim, EXACT=exact_rot, BR=br, SC=sc,
-        ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4 if one else MERGE_WARPS)
+        ONE_SPLIT=one, WRITE_LSE=write_lse, num_warps=4 if one else MERGE_WARPS, **_pdl_launch(pdl))
 
 
 def run_decode(plan, q: torch.Tensor, cache_u8: torch.Tensor, cache_f16: torch.Tensor, out: torch.Tensor,

@@ -174,7 +174,8 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
     if centering is not None and plan.center_groups:
         center = 2
         logits = center_logits_view(plan.workspace, tq, hq, d, s, plan.center_groups, plan.num_kv_heads)
-        center_logits(plan, q, centering, center_sums, logits, rotate=(krot, qrot, q_scale, kt.codec.exact_rot))
+        center_logits(plan, q, centering, center_sums, logits, rotate=(krot, qrot, q_scale, kt.codec.exact_rot),
+                      pdl=True)
         lstrides = (logits.stride(0), logits.stride(1))
     else:
         if centering is not None:
@@ -182,7 +183,10 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
             page_cos, page_sin, num_pages = center_query_operands(plan, q, cwz, cscale, centering, center_sums)
         tq_rotate_queries_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
             q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows, q_scale,
-            HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, num_warps=4)
+            HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, PDL=True, num_warps=4)
+    # The attention and the merge are programmatic dependent launches: each may start once every program of the
+    # launch before it has (the rotation or logits trigger at their start), and waits for that grid before reading
+    # its output.
     plan.last_compiled = tq_paged_decode_wgmma_kernel[(plan.num_reqs, hkv, s)](
         qrot, qrot.stride(0), qrot.stride(1),
         cache_u8, cache_u8.stride(0), cache_u8.stride(1),
@@ -192,12 +196,12 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
         logits, *lstrides,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
-        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=center,
-        num_warps=4,
+        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=center, PDL=True,
+        launch_pdl=True, num_warps=4,
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
     merge_unrotate(part_o, part_l, vrot, out, lse, rows, s, vt.codec.rot_scale / cb.value_factor, hq, d,
-                   vt.codec.exact_rot)
+                   vt.codec.exact_rot, pdl=True)
 
 
 def _e4m3(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
