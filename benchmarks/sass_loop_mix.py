@@ -91,7 +91,6 @@ from turboquant_core.ops.compile_ahead import compile_variant, recording_variant
 from turboquant_core.ops.weight_codec import TQWeight, served_layout
 
 linear._gluon_runs = lambda device: True
-linear._dependent_launch = lambda device: True
 fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 f = get_weight_format(fmt)
 groups = f.groups(in_features)

@@ -127,7 +127,6 @@ for w in weights:
     for dtype in (torch.bfloat16, torch.float16):
         tq_linear(torch.randn(MMA_MAX_ROWS + 1, 2048, dtype=dtype), w)
 linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel, 8, 16 and 32 columns
-linear_ops._dependent_launch = lambda device: True  # as on sm_90: the product a dependent launch of the rotation
 for w in weights:
     for rows in (3, 16, 40):
         tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
@@ -160,7 +159,6 @@ from turboquant_core.ops.linear import tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight
 
 linear_ops._gluon_runs = lambda device: True  # as on a GPU: up to MMA_MAX_ROWS rows, the register-tile kernel
-linear_ops._dependent_launch = lambda device: True  # as on sm_90
 weights = [quantize_weight(torch.randn(64, n), fmt) for n in (4096, 12288) for fmt in ("tq4", "tq3")]
 
 

@@ -17,7 +17,6 @@ Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from .codebook_lookup_jit import INTERPRETING, _codebook_registers, _dequant_words, _load_words
 
@@ -64,15 +63,12 @@ def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLO
 
 @triton.jit
 def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, stride_xq, stride_xs,
-                          BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK_B: tl.constexpr):
     """For ``linear_mma_jit``: XQ fp16 [num_rows, groups * 128] and XS fp32 [num_rows, groups] such that
     XS * XQ = R x per group (R the format's rotation; ROT [128, 128] in X's type the unnormalised rotation, +-1,
     its columns in the MMA kernel's K order), XQ scaled by a power of two per (row, group) into [-2^14, 2^14]:
     fp16 keeps its 11 bits there whatever the activation's range. BLOCK_B rows (program 0), one group
-    (program 1). ``PDL``: the product after it may launch as soon as every program has started (it loads its first
-    weights, then waits for this grid before reading XQ and XS)."""
-    if PDL:
-        gdc_launch_dependents()
+    (program 1)."""
     bs, gi, col, b_mask, xr = _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B)  # sqrt(128) R x
     amax = tl.max(tl.abs(xr), axis=1)
     scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)

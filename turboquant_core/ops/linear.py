@@ -148,14 +148,6 @@ def _gluon_runs(device: str) -> bool:
     return runs(device)
 
 
-@functools.lru_cache(maxsize=8)
-def _dependent_launch(device: str) -> bool:
-    """Whether the product launches as a programmatic dependent of the activation's rotation (Hopper and later):
-    its programs start, and load their first weights, while the rotation's still run."""
-    dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
-
-
 def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
     from ..kernels.linear_jit import tq_rotate_fp16_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
@@ -166,10 +158,9 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     groups = fmt.groups(w.in_features)
     xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    pdl = _dependent_launch(dev)
     tq_rotate_fp16_kernel[(triton.cdiv(rows, 16), groups)](
         x, mma_rotation_operand(fmt.name, dev, x.dtype), xq, xs, rows, w.in_features, x.stride(0), xq.stride(0),
-        xs.stride(0), BLOCK_B=16, PDL=pdl)
+        xs.stride(0), BLOCK_B=16)
     bn, nq = mma_tiles(rows)
     grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
@@ -188,8 +179,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
         per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
-        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, PDL=pdl, launch_pdl=pdl,
-        num_warps=1)
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
     return y
 
 
