@@ -27,8 +27,6 @@ from benchmarks.bench_paged_attention import build_batch, time_ms  # noqa: E402
 from turboquant_core.ops import paged_decode  # noqa: E402
 from turboquant_core.ops.key_centering import key_centering_tables  # noqa: E402
 from turboquant_core.ops.paged import TQAttentionPlan, new_center_sums, tq_key_center_sums  # noqa: E402
-from turboquant_core.ops.paged_attention import MIN_TOKENS_PER_SPLIT  # noqa: E402
-from turboquant_core.ops.paged_decode import num_decode_splits  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEFAULT_CASES = ["8x32768:8,12,16,20,24,26,28,29,30,32,33,40,48,56,64", "16x16384:4,8,12,14,15,16,20,24,28,32",
@@ -50,13 +48,16 @@ def sweep_case(fmt: str, batch: int, context: int, splits: list[int], device: st
     sums = new_center_sums(batch, HKV, cent, device)
     tq_key_center_sums(cache, lay, cent, bt, sl, sums)
     out = torch.empty_like(q)
-    heuristic = num_decode_splits(batch, HKV, context, device, MIN_TOKENS_PER_SPLIT, 1 << 20)
+    # the count the plan picks by itself, for whichever decode kernel serves this batch on this device
+    auto = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=256 << 20)
+    heuristic = auto.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context).decode_splits
     rows = []
     for s, pf in ((s, pf) for s in sorted(set(splits) | {heuristic}) for pf in prefetch):
         paged_decode.DECODE_PREFETCH = bool(pf)
         plan = TQAttentionPlan(lay, HQ, HKV, device, workspace_bytes=256 << 20)
         plan.plan(bt, qsl, sl, num_tokens=batch, max_query_len=1, max_seq_len=context, num_splits=s)
-        row = dict(format=fmt, batch=batch, context=context, splits=plan.decode_splits, heuristic=s == heuristic,
+        row = dict(format=fmt, batch=batch, context=context, kernel=plan.decode_kernel, splits=plan.decode_splits,
+                   heuristic=s == heuristic,
                    prefetch=int(pf), programs=batch * HKV * plan.decode_splits,
                    centred_ms=time_ms(lambda p=plan: p.run(q, cache, out=out, centering=cent, center_sums=sums),
                                       graph=True),
@@ -85,12 +86,12 @@ def main(argv=None) -> int:
         sms=torch.cuda.get_device_properties(0).multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, command="python benchmarks/sweep_decode_splits.py " + " ".join(argv or sys.argv[1:]),
         rows=rows), indent=1))
-    print("| format | batch x context | splits | prefetch | programs | centred us | plain us |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| format | batch x context | kernel | splits | prefetch | programs | centred us | plain us |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         mark = " (heuristic)" if r["heuristic"] else ""
-        print(f"| {r['format']} | {r['batch']} x {r['context']} | {r['splits']}{mark} | {r['prefetch']} | "
-              f"{r['programs']} | {1e3 * r['centred_ms']:.1f} | {1e3 * r['plain_ms']:.1f} |")
+        print(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']}{mark} | "
+              f"{r['prefetch']} | {r['programs']} | {1e3 * r['centred_ms']:.1f} | {1e3 * r['plain_ms']:.1f} |")
     return 0
 
 
