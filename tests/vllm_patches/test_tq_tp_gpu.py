@@ -26,15 +26,6 @@ tests write a random-weight checkpoint of benchmarks/configs/tiny-qwen3 (16 quer
 two KV heads per rank at TP=2) with transformers, once per head layout, and load it at both sizes. Prompts are token
 ids; no tokenizer.
 
-Near-ties. With transformers' initialisation alone the logits are close to Gaussian over the vocabulary, and at many
-greedy steps the top two lie within bf16 rounding of each other, whatever the weights' scale (argmax ignores it): the
-two sizes' different summation orders part the tokens there, for bf16 and ours alike, and the agreement count
-measures rounding. So every token gets a planted successor: the output head's row of succ(x) is x's embedding
-direction and the embedding is scaled up (EMBED_SCALE), so that the greedy token is the last token's successor by a
-margin of a few logit standard deviations at most steps, which rounding and a compressed cache's own code changes
-seldom cross, while the attention over the cache still moves the logits enough that a gross fault (a rank reading its
-KV heads mixed up) often does (benchmarks/study_tp_rounding.py emulates both on the CPU).
-
 Hosts with NVLink multicast off: ``TQ_TP_NO_ALLREDUCE_RMS_FUSION=1`` turns off vLLM's all-reduce + RMSNorm fusion,
 whose start-up hangs there (benchmarks/results/2026-11-26-h100x2-tensor-parallel/).
 
@@ -83,27 +74,17 @@ PROMPT_LENS = (12, 40, 100, 300, 700, 1500, 5, 33)  # 1500 > the 1024-token step
 MAX_TOKENS = 16
 DTYPES = ["auto", "fp8", "turboquant_k3v4_nc", "turboquant_4bit_nc"]
 OURS = "turboquant_k3v4_nc"
-# The embedding's share of the last hidden state: larger, and the planted successor wins at every step whatever the
-# attention reads (a fault would not show); smaller, and the near-ties return.
-EMBED_SCALE = 7
 ENGINE_TIMEOUT_S = 420  # a tiny engine starts in 40-100 s at TP=2; one that hangs fails here instead of holding both GPUs
 
 
 def _write_random_checkpoint(folder: Path, num_heads: int, num_kv_heads: int) -> Path:
-    """tiny-qwen3 with these heads and seeded random weights (transformers' initialisation, then planted successors:
-    see Near-ties in the module docstring), saved in bf16."""
+    """tiny-qwen3 with these heads and seeded random weights (transformers' initialisation), saved in bf16."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(TINY_QWEN3, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        emb.mul_(EMBED_SCALE)
-        succ = torch.randperm(emb.shape[0])  # a permutation: greedy chains do not fall into a short cycle
-        head[succ] = emb / emb.norm(dim=1, keepdim=True) * head.norm(dim=1).mean()
-    model.to(torch.bfloat16).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 
