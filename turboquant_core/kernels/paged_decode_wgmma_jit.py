@@ -252,10 +252,6 @@ def _halves(x):
     return gl.permute(gl.join(x, x >> 16), [0, 2, 1])
 
 
-# Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size and split
-# count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
-# stride, the request metadata slices, the split count, the partial outputs' strides and the centering logits'
-# strides (their group count follows the batch's longest sequence).
 @gluon.jit
 def _grid_dependency_wait():
     """Programmatic dependent launch: wait until the previous grid has finished and its writes are visible."""
@@ -269,6 +265,10 @@ def _launch_dependents():
                               pack=1)
 
 
+# Arguments that vary with the batch are not specialized (one compiled variant serves every CUDA-graph size and split
+# count, as for ``paged_decode_jit.tq_paged_decode_kernel``): the block table (a row slice of vLLM's table) and its
+# stride, the request metadata slices, the split count, the partial outputs' strides and the centering logits'
+# strides (their group count follows the batch's longest sequence).
 @gluon.jit(do_not_specialize=["BLOCK_TABLE", "stride_bt", "QUERY_START", "SEQ_LENS", "stride_pos", "stride_pls",
                               "num_splits", "stride_lt", "stride_lh"])
 def tq_paged_decode_wgmma_kernel(

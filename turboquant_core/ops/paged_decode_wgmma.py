@@ -33,6 +33,7 @@ from .paged_decode import (
     LN2,
     ROWS_PER_PROGRAM,
     _gluon_runs,
+    _pdl_launch,
     center_logits,
     center_logits_view,
     center_query_operands,
@@ -185,8 +186,8 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
             q, q.stride(0), q.stride(1), krot[0], krot[1], qrot, qrot.stride(0), qrot.stride(1), rows, q_scale,
             HQ=hq, D=d, DP=d, EXACT=kt.codec.exact_rot, BR=ROWS_PER_PROGRAM, PDL=True, num_warps=4)
     # The attention and the merge are programmatic dependent launches: each may start once every program of the
-    # launch before it has (the rotation or logits trigger at their start), and waits for that grid before reading
-    # its output.
+    # launch before it has triggered (the rotation at its start, the logits after their products, the attention after
+    # its tile loop), and waits for that grid before reading its output.
     plan.last_compiled = tq_paged_decode_wgmma_kernel[(plan.num_reqs, hkv, s)](
         qrot, qrot.stride(0), qrot.stride(1),
         cache_u8, cache_u8.stride(0), cache_u8.stride(1),
@@ -196,8 +197,8 @@ def run_decode_wgmma(plan, q: torch.Tensor, cache_u8: torch.Tensor, out: torch.T
         s, cwz, cwz.stride(0), cwz.stride(1), cscale, cscale.stride(0), page_cos, page_sin, num_pages,
         logits, *lstrides,
         GQ=plan.group, PAGE=lay.block_size, K_IDX_OFF=lay.k_index_offset, V_IDX_OFF=lay.v_index_offset,
-        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=center, PDL=True,
-        launch_pdl=True, num_warps=4,
+        K_SC_OFF=lay.k_scale_offset, V_SC_OFF=lay.v_scale_offset, P_EXP=P_EXP, CENTER=center, num_warps=4,
+        **_pdl_launch(True),
         **({"maxnreg": WGMMA_MAXNREG} if WGMMA_MAXNREG else {}),
     )
     merge_unrotate(part_o, part_l, vrot, out, lse, rows, s, vt.codec.rot_scale / cb.value_factor, hq, d,
