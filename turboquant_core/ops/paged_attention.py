@@ -56,7 +56,6 @@ from .page_layout import (
 from .paged_decode import (
     CENTER_GROUP_TOKENS,
     DECODE_MAX_COLUMNS,
-    DECODE_PROGRAMS_PER_SM,
     LN2,
     codebook_permute_words,
     decode_path_applies,
@@ -64,7 +63,12 @@ from .paged_decode import (
     num_decode_splits,
     run_decode,
 )
-from .paged_decode_wgmma import WGMMA_PROGRAMS_PER_SM, run_decode_wgmma, wgmma_decode_applies, wgmma_table_words
+from .paged_decode_wgmma import (
+    run_decode_wgmma,
+    wgmma_decode_applies,
+    wgmma_decode_splits,
+    wgmma_table_words,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Attention
@@ -228,10 +232,9 @@ class TQAttentionPlan:
         if wgmma or (self.decode_words is not None and decode_path_applies(
                 self.layout, g, self.device, max_query_len=max_query_len, causal=causal,
                 sliding_window=sliding_window)):
-            per_sm = WGMMA_PROGRAMS_PER_SM if wgmma else DECODE_PROGRAMS_PER_SM
-            ds = requested_splits if requested_splits is not None else num_decode_splits(
-                num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits,
-                programs_per_sm=per_sm)
+            splits = wgmma_decode_splits if wgmma else num_decode_splits
+            ds = requested_splits if requested_splits is not None else splits(
+                num_reqs, self.num_kv_heads, max_seq_len, self.device, MIN_TOKENS_PER_SPLIT, self.max_num_splits)
             while ds > 1 and decode_workspace_floats(max(num_tokens, 1), self.num_q_heads, d, ds) > \
                     self.workspace.numel():
                 ds -= 1

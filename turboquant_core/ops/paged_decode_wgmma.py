@@ -49,11 +49,27 @@ WGMMA_TILE = 64  # cached tokens per tile; a split's range is a whole number of 
 # Warpgroup programs per SM a wave of splits is sized for: about 64 registers x 128 threads let 8 reside, and the
 # study kernel needed them all to approach the copy bandwidth (benchmarks/results/2026-11-26-h100-e4m3-wgmma-decode/).
 WGMMA_PROGRAMS_PER_SM = 8
+# Waves of programs a split batch may fill. The split sweep's best counts fill one to three waves; the most splits that
+# fit two are close to the best at every shape it measured, while one wave leaves SMs idle behind the programs that
+# finish last and counts of more waves add merge work (benchmarks/results/2026-11-27-h100x4-issue-31-floors/).
+WGMMA_WAVES = 2
 # Registers per thread the kernel may use (0: no cap): 64 x 128 threads let WGMMA_PROGRAMS_PER_SM programs reside (the
 # uncapped build takes 66, rounded up to 72 by the allocator, so only 7 fit); ptxas keeps it without spills, and the
 # centred variant with a few loop-invariant values on the stack.
 WGMMA_MAXNREG = 64
 P_EXP = 8  # P^T * v_scale is stored in e4m3 at 2^(P_EXP - e): at most 2^8, below e4m3's 448
+
+
+def wgmma_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, device, min_tokens: int,
+                        max_splits: int) -> int:
+    """KV splits per (request, KV head) for a decode batch on this kernel: the most whose programs fit WGMMA_WAVES
+    waves of WGMMA_PROGRAMS_PER_SM programs per SM, at most one split per ``min_tokens`` of the longest sequence and
+    ``max_splits``; none where the pairs alone fill them."""
+    from .paged_attention import _sm_count
+
+    programs = WGMMA_WAVES * WGMMA_PROGRAMS_PER_SM * _sm_count(str(device))
+    most = max(1, min(max_seq_len // min_tokens, max_splits))
+    return max(1, min(programs // max(num_reqs * num_kv_heads, 1), most))
 
 
 def wgmma_decode_applies(layout: PagedTQLayout, group: int, device: torch.device, *, max_query_len: int,
