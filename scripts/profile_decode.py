@@ -5,6 +5,7 @@ split merge, KV store, key centring, GEMM, ...) from torch.profiler, against hos
 limits, for the configs and scenarios of scripts/bench_throughput.py.
 
     python scripts/profile_decode.py --configs bf16,ours-k3v4 --scenarios S1,S2 --out profile-decode
+    python scripts/profile_decode.py --suite weights --configs bf16,awq-marlin,tq4 --scenarios 256x256x1 --out p
     python scripts/profile_decode.py --report-only profile-decode/profile.json
 
 Method. One subprocess per config (its PYTHONPATH as in bench_throughput: --pythonpath-stock/--pythonpath-patched)
@@ -34,7 +35,9 @@ the first rule of FAMILY_RULES whose case-insensitive regex is found in the kern
                    tq_rotate_queries_kernel, tq_paged_gather_dequant_kernel,
                    stock's _tq_decode_stage1 / _tq_full_dequant_kv, *paged_attention*, *unified_attention*, Triton
                    decode's _fwd_kernel_stage1, FlashInfer
-  GEMM             gemm, gemv, cutlass, nvjet, xmma, cublas, splitKreduce, wgmma, Inductor templates (triton_tem_)
+  GEMM             gemm, gemv, cutlass, nvjet, xmma, cublas, splitKreduce, wgmma, Inductor templates (triton_tem_),
+                   Marlin, ours' weight products with their activation rotation and dequantization (tq_linear*,
+                   tq_moe_linear, tq_rotate_kernel / tq_rotate_fp16, tq_dequant_kernel)
   sampling/logits  argmax, sampl*, top-k/p, softmax, gumbel, penalties, multinomial, exponential, logit*
   norms / RoPE / activation / elementwise
                    norm, rotary/rope, silu/gelu/act_and_mul/activation, Inductor's triton_poi/per/red_, at::native::*,
@@ -112,7 +115,8 @@ FAMILY_RULES: tuple[tuple[str, str], ...] = (
                   r"tq_paged_gather_dequant|tq_decode_stage1|tq_mla_decode|tq_mla_gather|"
                   r"tq_full_dequant|paged_attention|unified_attention|fwd_(grouped_)?kernel_stage1|flashinfer|"
                   r"BatchDecode|BatchPrefill"),
-    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688"),
+    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688|marlin|"
+             r"tq_linear|tq_moe_linear|tq_rotate_kernel|tq_rotate_fp16|tq_dequant_kernel"),
     ("sampling", r"argmax|sampl|top_?k|top_?p|softmax|gumbel|penalt|multinomial|exponential|logit"),
     ("elementwise", r"norm|rotary|rope|silu|gelu|act_and_mul|activation|swiglu|triton_(poi|per|red)_|elementwise|"
                     r"vectorized|at::native|CatArray|fill|copy"),
@@ -791,7 +795,8 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- the driver
 
 
-def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[dict, list[dict]]:
+def run_config(args, name: str, install: str, dtype: str, out: Path,
+               quantization: str | None = None) -> tuple[dict, list[dict]]:
     """One config's subprocess; returns (config row, finished runs)."""
     bench = _bench()
     logs = out / "logs"
@@ -815,7 +820,9 @@ def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[di
         cmd.append("--timeline")
     if args.cupti_warmup:
         cmd.append("--cupti-warmup")
-    _log(f"{name}: {install} vLLM, kv_cache_dtype={dtype}")
+    if quantization:
+        cmd += ["--quantization", quantization]
+    _log(f"{name}: {install} vLLM, kv_cache_dtype={dtype}" + (f", quantization={quantization}" if quantization else ""))
     t = time.perf_counter()
     tail: deque[str] = deque(maxlen=8)
     with open(logs / f"{name}.stdout.log", "w") as so, open(logs / f"{name}.stderr.log", "w") as se:
@@ -842,7 +849,8 @@ def run_config(args, name: str, install: str, dtype: str, out: Path) -> tuple[di
         th.join(timeout=30)
     dtype, options = _bench().split_engine_options(dtype)  # the worker got them; the results keep them apart
     cfg = dict(name=name, install=install, kv_cache_dtype=dtype, returncode=rc, wall_s=time.perf_counter() - t,
-               **({"engine_options": options} if options else {}))
+               **({"engine_options": options} if options else {}),
+               **({"quantization": quantization} if quantization else {}))
     raw = json.loads(result_file.read_text()) if result_file.is_file() else None
     if raw is None:
         cfg["error"] = " | ".join(tail)[-1500:] or f"exit {rc}, no result"
@@ -882,9 +890,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", "--model-config", dest="model", default=_default_model(),
                     help="model folder (a config.json is enough with dummy weights; default: the repo's "
                          "benchmarks/configs/qwen3-8b)")
-    ap.add_argument("--configs", default="bf16,ours-k3v4",
+    ap.add_argument("--suite", choices=("kv", "weights"), default="kv",
+                    help="kv: configs are KV-cache dtypes; weights: configs are bench_throughput's weight "
+                         "quantizations (bf16, fp8, awq-marlin, tq4, tq3, tq4+k3v4)")
+    ap.add_argument("--configs", default=None,
                     help="comma list of bench_throughput config names (bf16, fp8, ours-<preset>, stock-<preset>) "
-                         "or NAME=stock|patched:KV_CACHE_DTYPE")
+                         "or NAME=stock|patched:KV_CACHE_DTYPE; with --suite weights that suite's names or "
+                         "NAME=stock|patched:KV_CACHE_DTYPE:QUANTIZATION (default: bf16,ours-k3v4 / bf16,tq4)")
     ap.add_argument("--scenarios", default="S1,S2",
                     help="comma list of INxOUTxBATCH or names: "
                          + ", ".join(f"{k}={v}" for k, v in bench.NAMED_SCENARIOS.items() if k != "sweep"))
@@ -914,6 +926,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--trace-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -944,7 +957,10 @@ def main(argv=None) -> int:
         ap.error(f"--model {args.model!r} has no config.json; the repo's model configs: "
                  + ", ".join(f"benchmarks/configs/{k}" for k in known))
     scenarios = bench.parse_scenarios(args.scenarios)
-    configs = bench.parse_configs(args.configs)
+    if args.suite == "weights":
+        configs = bench.parse_weight_configs(args.configs or "bf16,tq4")
+    else:
+        configs = [(*c, None) for c in bench.parse_configs(args.configs or "bf16,ours-k3v4")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = dict(device=None, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -956,8 +972,8 @@ def main(argv=None) -> int:
                              cudagraph_sizes=args.cudagraph_sizes or "vLLM's", cupti_warmup=args.cupti_warmup,
                              timeline=args.timeline),
                family_rules=[list(r) for r in FAMILY_RULES], configs=[], runs=[])
-    for name, install, dtype in configs:
-        cfg, runs = run_config(args, name, install, dtype, out)
+    for name, install, dtype, quantization in configs:
+        cfg, runs = run_config(args, name, install, dtype, out, quantization)
         doc["configs"].append(cfg)
         doc["runs"] += runs
         doc["device"] = doc["device"] or cfg.get("device")

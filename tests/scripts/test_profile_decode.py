@@ -70,6 +70,15 @@ KERNELS = [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x"
      "_cublas", "gemm"),
     ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(Params)", "gemm"),
+    # weight products: vLLM's Marlin (awq-marlin), ours (--quantization tq4 / tq3) with the activation's rotation and
+    # the larger batches' dequantization
+    ("void marlin::Marlin<(vllm::ScalarTypeId)5, (vllm::ScalarTypeId)5, 256, 1, 8, 8, true, 4, 8, false>(int4 const*)",
+     "gemm"),
+    ("tq_linear_mma_kernel", "gemm"),
+    ("tq_rotate_fp16_kernel", "gemm"),
+    ("tq_rotate_kernel", "gemm"),
+    ("tq_moe_linear_kernel", "gemm"),
+    ("tq_dequant_kernel", "gemm"),
     # Inductor-fused and vLLM custom elementwise
     ("triton_poi_fused_add_mul_silu_slice_0", "elementwise"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "elementwise"),
