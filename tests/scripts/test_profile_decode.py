@@ -79,7 +79,9 @@ KERNELS = [
     ("tq_rotate_kernel", "gemm"),
     ("tq_moe_linear_kernel", "gemm"),
     ("tq_dequant_kernel", "gemm"),
-    # Inductor-fused and vLLM custom elementwise
+    # Inductor-fused and vLLM custom elementwise (named after the ops they fuse, ours included)
+    ("triton_red_fused_fused_add_rms_norm_tq_linear_0", "elementwise"),
+    ("triton_red_fused_fused_add_rms_norm_machete_mm_2", "elementwise"),
     ("triton_poi_fused_add_mul_silu_slice_0", "elementwise"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "elementwise"),
     ("void vllm::rms_norm_kernel<c10::BFloat16, 8, 3>(c10::BFloat16*, c10::BFloat16 const*, long, long, float, int, "
