@@ -40,25 +40,21 @@ PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of en
 # (prmt's sign-replicating mode: bit 3 of field 2k+1 is byte k's top bit, that of field 2k the same byte's of the
 # word shifted left by 4), one lop3 sets the sign bits; two more interleave. Six instructions per four fields where a
 # table of 16 entries takes eight.
+# Both lookups once m holds the 8 fields' magnitude indices (bits 0-2 of each nibble) and x4 the word shifted left by 4.
+_MAGNITUDE_LOOKUP8_BODY = (
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; "
+    "shr.b32 m, m, 16; "
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
 SYMMETRIC_LOOKUP8_ASM = tl.constexpr(
     "{ .reg .b32 t, m, x4, l, h, s, p, q; "
     "shr.b32 t, $8, 3; and.b32 t, t, 0x11111111; mul.lo.u32 t, t, 7; xor.b32 m, $8, t; xor.b32 m, m, 0x77777777; "
-    "and.b32 m, m, 0x77777777; shl.b32 x4, $8, 4; "
-    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; "
-    "shr.b32 m, m, 16; "
-    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
+    "and.b32 m, m, 0x77777777; shl.b32 x4, $8, 4; " + _MAGNITUDE_LOOKUP8_BODY)
 # The same over sign-magnitude fields (the served kernel words of ``ops.weight_codec``: a field i < 8 stored as
 # 7 - i): the magnitude index is the field's bits 0-2 as they are, one AND for all 8.
 SIGN_MAGNITUDE_LOOKUP8_ASM = tl.constexpr(
-    "{ .reg .b32 m, x4, l, h, s, p, q; "
-    "and.b32 m, $8, 0x77777777; shl.b32 x4, $8, 4; "
-    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; "
-    "shr.b32 m, m, 16; "
-    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
+    "{ .reg .b32 m, x4, l, h, s, p, q; and.b32 m, $8, 0x77777777; shl.b32 x4, $8, 4; " + _MAGNITUDE_LOOKUP8_BODY)
 
 
 @triton.jit

@@ -73,11 +73,12 @@ class TQWeight:
         groups = fmt.groups(self.in_features)
         group_bytes = fmt.group_size * fmt.bits // 8
         if self.kernel_words and fmt.bits in KERNEL_WORD_BITS:
-            want, kind = (self.out_features, groups, group_bytes // 4), "int32"
+            want, kind = (self.out_features, groups, group_bytes // 4), torch.int32
         else:
-            want, kind = (self.out_features, groups, group_bytes), "uint8"
-        if str(self.packed.dtype) != f"torch.{kind}" or tuple(self.packed.shape) != want:
-            raise ValueError(f"{fmt.name} weight: packed indices must be {kind} {want}, got "
+            want, kind = (self.out_features, groups, group_bytes), torch.uint8
+        if self.packed.dtype != kind or tuple(self.packed.shape) != want:
+            name = str(kind).removeprefix("torch.")
+            raise ValueError(f"{fmt.name} weight: packed indices must be {name} {want}, got "
                              f"{str(self.packed.dtype).removeprefix('torch.')} {tuple(self.packed.shape)}")
         if self.scales.dtype != torch.float16 or tuple(self.scales.shape) != want[:2]:
             raise ValueError(f"{fmt.name} weight: scales must be float16 {want[:2]}, got "
