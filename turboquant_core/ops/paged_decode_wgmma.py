@@ -50,8 +50,9 @@ WGMMA_TILE = 64  # cached tokens per tile; a split's range is a whole number of 
 # study kernel needed them all to approach the copy bandwidth (benchmarks/results/2026-11-26-h100-e4m3-wgmma-decode/).
 WGMMA_PROGRAMS_PER_SM = 8
 # Waves of programs a split batch may fill. The split sweep's best counts fill one to three waves; the most splits that
-# fit two are close to the best at every shape it measured, while one wave leaves SMs idle behind the programs that
-# finish last and counts of more waves add merge work (benchmarks/results/2026-11-27-h100x4-issue-31-floors/).
+# fit two are within 2 % of the best at 10 of the 11 shapes it measured, while one wave leaves SMs idle behind the
+# programs that finish last and counts of more waves add merge work
+# (benchmarks/results/2026-11-27-h100x4-issue-31-floors/).
 WGMMA_WAVES = 2
 # Registers per thread the kernel may use (0: no cap): 64 x 128 threads let WGMMA_PROGRAMS_PER_SM programs reside (the
 # uncapped build takes 66, rounded up to 72 by the allocator, so only 7 fit); ptxas keeps it without spills, and the
