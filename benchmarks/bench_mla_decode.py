@@ -31,6 +31,7 @@ from turboquant_core.ops.mla import (  # noqa: E402
     MLA_DECODE_LAUNCH,
     MLADecodeLaunch,
     mla_decode_attention,
+    mla_decode_kernel,
     mla_decode_splits,
     mla_mma_applies,
     mla_store,
@@ -77,12 +78,16 @@ def copy_gbps(device: str) -> float:
     return 2 * x.numel() / (ms * 1e-3) / 1e9
 
 
-def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | None:
-    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``mma:WARPS:DEPTH[:MAXNREG]``: the register-tile
+def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | str | None:
+    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``wgmma[:STAGES]``: the warpgroup-MMA kernel (sm_90;
+    with STAGES tiles in shared memory);
+    ``mma:WARPS:DEPTH[:MAXNREG]``: the register-tile
     kernel with WARPS warps loading DEPTH tiles ahead (and at most MAXNREG registers per thread); HEADS,TOKENS,WARPS,
     STAGES: the Triton kernel."""
     if text == "auto":
         return None
+    if text == "wgmma" or text.startswith("wgmma:"):
+        return text
     if text.startswith("mma:"):
         parts = [int(x) for x in text[4:].split(":")]
         if len(parts) not in (2, 3):
@@ -95,8 +100,12 @@ def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | None:
         raise SystemExit(f"bad launch {text!r}: expected auto or HEADS,TOKENS,WARPS,STAGES, e.g. 16,32,4,1") from None
 
 
-def _kernel_name(layout, device: str, launch: MLADecodeLaunch | None) -> str:
-    if launch is None and mla_mma_applies(layout, device):
+def _kernel_name(layout, device: str, launch: MLADecodeLaunch | str | None) -> str:
+    if isinstance(launch, str) and launch.startswith("wgmma") or launch is None and mla_decode_kernel(
+            layout, device) == "wgmma":
+        stages = launch.partition(":")[2] if isinstance(launch, str) else ""
+        return f"warpgroup MMA, {stages or mla_ops.MLA_WGMMA_STAGES} stages"
+    if launch in (None, "mma") and mla_mma_applies(layout, device):
         cap = f", at most {mla_ops.MLA_MMA_MAXNREG} registers" if mla_ops.MLA_MMA_MAXNREG else ""
         return f"register-tile {mla_ops.MLA_MMA_WARPS} warps, {mla_ops.MLA_MMA_DEPTH} ahead{cap}"
     la = launch or MLA_DECODE_LAUNCH
@@ -108,7 +117,7 @@ def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, 
     b = build(fmt, batch, context, heads, device)
     lay, cache, bt, sl, q, q_pe = b["layout"], b["cache"], b["block_table"], b["seq_lens"], b["q"], b["q_pe"]
     scale = (128 + R) ** -0.5
-    heuristic = mla_decode_splits(batch, heads, context, torch.device(device))
+    heuristic = {k: mla_decode_splits(batch, heads, context, torch.device(device), k) for k in ("wgmma", "mma")}
     page_bytes = batch * context * lay.fmt.bytes_per_token()
     kv_c = torch.nn.functional.rms_norm(torch.randn(batch, LR, device=device), (LR,)).to(torch.bfloat16)
     k_pe = torch.randn(batch, R, device=device).to(torch.bfloat16)
@@ -116,21 +125,33 @@ def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, 
     store_ms = time_ms(lambda: mla_store(kv_c, k_pe, cache, slots, lay), graph=True)
     rows = []
     shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG
-    for s, launch in [(s, la) for la in launches for s in sorted(set(splits) | {heuristic})]:
+    shipped_stages = mla_ops.MLA_WGMMA_STAGES
+    def kernel_of(launch) -> str:
+        if isinstance(launch, str) or launch is None and mla_decode_kernel(lay, device) == "wgmma":
+            return "wgmma"
+        return "mma"
+
+    for s, launch in [(s, la) for la in launches for s in sorted(set(splits) | {heuristic[kernel_of(la)]})]:
+        own = heuristic[kernel_of(launch)]
         mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG = (
             launch if isinstance(launch, tuple) else shipped)
-        if isinstance(launch, tuple):
+        wgmma = isinstance(launch, str)
+        mla_ops.MLA_WGMMA_STAGES = int(launch.partition(":")[2] or shipped_stages) if wgmma else shipped_stages
+        kernel = "wgmma" if wgmma else "mma" if isinstance(launch, tuple) else None
+        name = _kernel_name(lay, device, launch if wgmma else kernel or launch)
+        if isinstance(launch, (tuple, str)):
             launch = None
-        ms = time_ms(lambda s=s, la=launch: mla_decode_attention(q, q_pe, cache, lay, bt, sl, scale, num_splits=s,
-                                                                 rotated=True, launch=la), graph=True)
+        ms = time_ms(lambda s=s, la=launch, k=kernel: mla_decode_attention(
+            q, q_pe, cache, lay, bt, sl, scale, num_splits=s, rotated=True, launch=la, kernel=k), graph=True)
         gbps = page_bytes / (ms * 1e-3) / 1e9
-        row = dict(format=fmt, heads=heads, batch=batch, context=context, splits=s, heuristic=s == heuristic,
-                   kernel=_kernel_name(lay, device, launch),
+        row = dict(format=fmt, heads=heads, batch=batch, context=context, splits=s, heuristic=s == own,
+                   kernel=name,
                    programs=batch * -(-heads // (launch.heads if launch else 16)) * s, attention_us=1e3 * ms,
                    page_bytes=page_bytes,
                    gb_per_s=gbps, copy_share=gbps / copy, store_us=1e3 * store_ms)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    mla_ops.MLA_WGMMA_STAGES = shipped_stages
     return rows
 
 
@@ -141,8 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", nargs="+", type=int, default=[16], help="query heads (DeepSeek-V2-Lite 16, V3 128)")
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
     ap.add_argument("--launch", nargs="+", type=parse_launch, default=[None],
-                    help="auto (the kernel the vLLM backend runs), mma:WARPS:DEPTH[:MAXNREG] (the register-tile "
-                    "kernel) or Triton launch shapes HEADS,TOKENS,WARPS,STAGES")
+                    help="auto (the kernel the vLLM backend runs), wgmma (the warpgroup-MMA kernel), "
+                    "mma:WARPS:DEPTH[:MAXNREG] (the register-tile kernel) or Triton launch shapes "
+                    "HEADS,TOKENS,WARPS,STAGES")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases]
     if not torch.cuda.is_available():

@@ -22,6 +22,7 @@ from turboquant_core.ops.mla import (
     mla_gather_dequant,
     mla_mma_order,
     mla_store,
+    mla_wgmma_order,
 )
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_kv_cache_shape, mla_paged_layout
 from turboquant_core.ops.mla_reference import (
@@ -300,7 +301,8 @@ for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc",
     mla_decode_attention(*args, num_splits=2)
     mla_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel where it applies
     if mla_ops.mla_mma_applies(lay, "cuda"):
-        mla_decode_attention(*args, num_splits=2)
+        mla_decode_attention(*args, num_splits=2, kernel="mma")
+        mla_decode_attention(*args, num_splits=2, kernel="wgmma")
     mla_ops._gluon_runs = lambda device: False
     mla_gather_dequant(cache, lay, torch.empty(30, 576, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32),
                        torch.tensor([0, 10, 30], dtype=torch.int32), torch.zeros(30, dtype=torch.int32), 30,
@@ -311,15 +313,15 @@ for name in ("turboquant_2bit_nc", "turboquant_2p5bit_nc", "turboquant_k3v4_nc",
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills():
     """The store (every latent encoding, bf16 and fp16 inputs, a decode step's narrow chunks and a prefill's wide
-    ones), the decode attention with its split merge (the Triton kernel, and the register-tile kernel for the one-
-    segment codebook latents) and the gather (every latent encoding) compile for sm_90, the register codebook lookups
-    the interpreter cannot run included, with no register spills."""
+    ones), the decode attention with its split merge (the Triton kernel, and the register-tile and warpgroup-MMA
+    kernels for the one-segment codebook latents) and the gather (every latent encoding) compile for sm_90, the
+    register codebook lookups the interpreter cannot run included, with no register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
     store = ["tq_mla_store_kernel", "tq_mla_store_finish_kernel"] * 3
     decode = ["tq_mla_decode_kernel", "tq_merge_splits_kernel"]
-    mma = ["tq_mla_decode_mma_kernel", "tq_merge_splits_kernel"]
+    mma = ["tq_mla_decode_mma_kernel", "tq_merge_splits_kernel", "tq_mla_decode_wgmma_kernel", "tq_merge_splits_kernel"]
     gather = ["tq_mla_gather_kernel"]
     # 2bit, k3v4 and 4bit latents are one codebook segment: the register-tile kernel serves them.
     one_segment = (True, False, True, False, True, False)
@@ -533,19 +535,60 @@ def test_register_tile_order_gives_each_warp_its_own_groups():
         assert sorted(set(groups.tolist())) == list(range(16 * w, 16 * w + 16))
 
 
+def test_warpgroup_order_puts_each_group_in_eight_consecutive_positions():
+    """The warpgroup-MMA kernel's order is a permutation of the 512 rotated coordinates in which positions 8g..8g+7
+    are the 8 fields of group g (coordinate j*64 + g), as the kernel stores a group's looked-up values."""
+    order = mla_wgmma_order(512)
+    assert torch.equal(order.sort().values, torch.arange(512))
+    assert torch.equal(order.view(64, 8) % 64, torch.arange(64)[:, None].expand(64, 8))
+    assert torch.equal(order.view(64, 8) // 64, torch.arange(8)[None, :].expand(64, 8))
+
+
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
-def test_decode_rotation_is_one_rotation_in_either_kernel_order(name):
-    """Both kernels' rotations are the latent's orthogonal rotation, rows reordered: the Triton kernel's order
-    (attention rows of the codec) and the register-tile kernel's differ by a permutation."""
+def test_decode_rotation_is_one_rotation_in_every_kernel_order(name):
+    """Every kernel's rotation is the latent's orthogonal rotation, rows reordered: the Triton kernel's order
+    (attention rows of the codec), the register-tile kernel's and the warpgroup-MMA kernel's differ by
+    permutations. An unknown kernel name is refused with the valid ones."""
     lay = mla_paged_layout(name, BLOCK)
-    triton_rows = mla_decode_rotation(lay, "cpu", mma=False).double()
-    mma_rows = mla_decode_rotation(lay, "cpu", mma=True).double()
+    triton_rows = mla_decode_rotation(lay, "cpu", "triton").double()
     eye = torch.eye(L, dtype=torch.float64)
-    torch.testing.assert_close(mma_rows @ mma_rows.T, eye, rtol=0, atol=1e-5)
-    perm = mma_rows @ triton_rows.T
-    torch.testing.assert_close(perm.round(), perm, rtol=0, atol=1e-5)
-    assert torch.equal(perm.round().abs().sum(0), torch.ones(L, dtype=torch.float64))
-    assert not torch.equal(perm.round(), eye)
+    for kernel in ("mma", "wgmma"):
+        rows = mla_decode_rotation(lay, "cpu", kernel).double()
+        torch.testing.assert_close(rows @ rows.T, eye, rtol=0, atol=1e-5)
+        perm = rows @ triton_rows.T
+        torch.testing.assert_close(perm.round(), perm, rtol=0, atol=1e-5)
+        assert torch.equal(perm.round().abs().sum(0), torch.ones(L, dtype=torch.float64))
+        assert not torch.equal(perm.round(), eye)
+    with pytest.raises(ValueError, match="wgmma, mma, triton"):
+        mla_decode_rotation(lay, "cpu", "flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "triton"])
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc", "turboquant_2bit_nc"])
+def test_each_decode_kernel_matches_reference_over_many_tiles(name, kernel):
+    """Each decode kernel, chosen by name, against the reference: requests of 700 (many 64-token tiles and a
+    partial one), 129, 64, 1 and 0 tokens over shuffled pages, 16 and 24 heads, one and three splits. The
+    warpgroup-MMA kernel needs an sm_90 GPU."""
+    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup-MMA kernel needs sm_90a")
+    for heads, splits in ((16, 1), (24, 3)):
+        lay, cache, bt, seq_lens, _, _, ql, q_pe = _paged_requests(name, [700, 129, 64, 1, 0], heads=heads,
+                                                                   seed=17 + heads, device="cuda")
+        ql, q_pe = ql.to(torch.bfloat16), q_pe.to(torch.bfloat16)
+        ref, ref_lse = mla_decode_attention_ref(ql.float(), q_pe.float(), cache.cpu(), lay, bt.cpu(), seq_lens,
+                                                SOFTMAX_SCALE)
+        rows = mla_decode_rotation(lay, "cuda", kernel)
+        ql_rot = (ql.float().cuda() @ rows.T).to(torch.bfloat16)
+        out, lse = mla_decode_attention(ql_rot, q_pe.cuda(), cache, lay, bt, seq_lens.cuda(), SOFTMAX_SCALE,
+                                        num_splits=splits, rotated=True, kernel=kernel)
+        out = (out.float() @ rows).cpu()
+        lse = lse.cpu()
+        live = seq_lens > 0
+        rel = (out[live] - ref[live]).norm(dim=-1) / ref[live].norm(dim=-1)
+        assert rel.max() < 1e-2, (heads, splits, float(rel.max()))
+        torch.testing.assert_close(lse[live], ref_lse[live], rtol=0, atol=1e-2)
+        assert torch.isinf(lse[~live]).all() and (lse[~live] < 0).all()
 
 
 def test_decode_attention_split_count_changes_little(device):
@@ -559,15 +602,17 @@ def test_decode_attention_split_count_changes_little(device):
     assert mla_decode_splits(8, 16, 100_000, torch.device("cpu")) == 1
 
 
-def test_split_counts_fill_waves_of_two_programs_per_sm(monkeypatch):
+def test_split_counts_fill_waves_of_the_programs_each_kernel_fits_per_sm(monkeypatch):
     """On a 132-SM GPU the split counts are the ones benchmarks/bench_mla_decode.py measured fastest (H100, 16
-    heads): 4 at 64 x 1024, 2 at 384 x 2048 (1 left a wave half full), 8 at 32 x 8192; one request takes as many
-    as its length allows."""
+    heads): for the register-tile kernel (two programs per SM) 4 at 64 x 1024, 2 at 384 x 2048 (1 left a wave half
+    full), 8 at 32 x 8192; for the warpgroup-MMA kernel (one per SM) 2, 1 and 4. One request takes as many as its
+    length allows."""
     from turboquant_core.ops import paged_attention
 
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert [mla_decode_splits(b, 16, n, cuda) for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [4, 2, 8]
+    assert [mla_decode_splits(b, 16, n, cuda, "wgmma") for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [2, 1, 4]
     assert mla_decode_splits(1, 16, 8192, cuda) >= 31 and mla_decode_splits(2, 16, 100, cuda) == 1
 
 

@@ -32,6 +32,7 @@ import triton
 
 from ..kernels.mla_decode_jit import tq_mla_decode_kernel
 from ..kernels.mla_decode_mma_jit import tq_mla_decode_mma_kernel
+from ..kernels.mla_decode_wgmma_jit import tq_mla_decode_wgmma_kernel
 from ..kernels.mla_gather_jit import tq_mla_gather_kernel
 from ..kernels.mla_store_jit import tq_mla_store_finish_kernel, tq_mla_store_kernel
 from ..kernels.paged_attention_jit import tq_merge_splits_kernel
@@ -118,7 +119,8 @@ class MLADecodeLaunch:
 MLA_DECODE_LAUNCH = MLADecodeLaunch()
 MLA_DECODE_HEADS = MLA_DECODE_LAUNCH.heads
 MLA_MIN_TOKENS_PER_SPLIT = 256
-MLA_PROGRAMS_PER_SM = 2  # both decode kernels' register use leaves room for two programs per SM
+MLA_PROGRAMS_PER_SM = 2  # the Triton and register-tile kernels' registers leave room for two programs per SM
+MLA_WGMMA_PROGRAMS_PER_SM = 1  # the warpgroup-MMA kernel's shared memory (the fp16 tile and the copy stages) one
 MLA_WAVE_FILL_SLACK = 0.05
 MLA_MMA_WARPS = 4  # warps of the register-tile kernel, each holding DP / 4 latent coordinates
 MLA_MMA_BLOCK_N = 16
@@ -140,6 +142,10 @@ def mla_mma_applies(layout: MLAPagedLayout, device) -> bool:
             and layout.index_offset % 4 == 0 and _gluon_runs(str(torch.device(device))))
 
 
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 @functools.lru_cache(maxsize=8)
 def mla_mma_order(dp: int, warps: int) -> torch.Tensor:
     """The register-tile kernel's coordinate order, of its query operand and of its output alike (the value tile is
@@ -152,24 +158,58 @@ def mla_mma_order(dp: int, warps: int) -> torch.Tensor:
     return torch.cat([(local // gw) * g_all + w * gw + local % gw for w in range(warps)])
 
 
+@functools.lru_cache(maxsize=8)
+def mla_wgmma_order(dp: int) -> torch.Tensor:
+    """The warpgroup-MMA kernel's coordinate order (``mla_decode_wgmma_jit``): position 8g + j holds field j of group
+    g, rotated coordinate j*G + g of the latent's G = dp / 8 groups."""
+    p = torch.arange(dp)
+    return (p % 8) * (dp // 8) + p // 8
+
+
+MLA_DECODE_KERNELS = ("wgmma", "mma", "triton")
+MLA_WGMMA_DECODE = True  # the warpgroup-MMA kernel where it applies (False: the register-tile kernel there)
+MLA_WGMMA_STAGES = 3  # tiles in shared memory: the one computed and the copies in flight ahead of it
+
+
+def mla_wgmma_applies(layout: MLAPagedLayout, device) -> bool:
+    """Whether decode runs the warpgroup-MMA kernel (``mla_decode_wgmma_jit``): where the register-tile kernel
+    applies, with a 512-wide latent, on an sm_90 GPU (wgmma needs sm_90a)."""
+    dev = torch.device(device)
+    return (MLA_WGMMA_DECODE and layout.kv_lora_rank == 512 and mla_mma_applies(layout, dev)
+            and _sm90(dev))
+
+
+def mla_decode_kernel(layout: MLAPagedLayout, device) -> str:
+    """The decode kernel ``mla_decode_attention`` runs for ``layout`` on ``device``: "wgmma"
+    (``mla_wgmma_applies``), "mma" (``mla_mma_applies``) or "triton"."""
+    if mla_wgmma_applies(layout, device):
+        return "wgmma"
+    return "mma" if mla_mma_applies(layout, device) else "triton"
+
+
 @functools.lru_cache(maxsize=64)
-def _decode_rotation(layout: MLAPagedLayout, device: str, mma: bool, warps: int) -> torch.Tensor:
+def _decode_rotation(layout: MLAPagedLayout, device: str, kernel: str, warps: int) -> torch.Tensor:
     t = mla_tables(layout, device)
-    if not mma:
+    if kernel == "triton":
         return t.attn_rows
     natural = torch.zeros_like(t.attn_rows)  # [L_PAD, L], row c: rotated coordinate c
     keep = t.order >= 0
     natural[t.order[keep].to(natural.device)] = t.attn_rows[keep.to(natural.device)]
-    return natural[mla_mma_order(t.codec.dim_pad, warps).to(natural.device)].contiguous()
+    order = mla_wgmma_order(t.codec.dim_pad) if kernel == "wgmma" else mla_mma_order(t.codec.dim_pad, warps)
+    return natural[order.to(natural.device)].contiguous()
 
 
-def mla_decode_rotation(layout: MLAPagedLayout, device, mma: bool | None = None) -> torch.Tensor:
+def mla_decode_rotation(layout: MLAPagedLayout, device, kernel: str | None = None) -> torch.Tensor:
     """[L_PAD, kv_lora_rank] fp32: the latent's orthogonal rotation in the coordinate order of the decode kernel on
     ``device``, the order it takes its queries in (q_rot = rows @ q) and leaves its output in (out = rows^T @ y):
-    ``MLATables.attn_rows``' for the Triton kernel, ``mla_mma_order`` for the register-tile kernel. ``mma`` names
-    the kernel (default: the one ``mla_decode_attention`` runs there, ``mla_mma_applies``)."""
+    ``MLATables.attn_rows``' for the Triton kernel, ``mla_mma_order`` for the register-tile kernel,
+    ``mla_wgmma_order`` for the warpgroup-MMA kernel. ``kernel`` names one of ``MLA_DECODE_KERNELS`` (default: the
+    one ``mla_decode_attention`` runs there, ``mla_decode_kernel``)."""
     dev = str(torch.device(device))
-    return _decode_rotation(layout, dev, mla_mma_applies(layout, dev) if mma is None else mma, MLA_MMA_WARPS)
+    kernel = mla_decode_kernel(layout, dev) if kernel is None else kernel
+    if kernel not in MLA_DECODE_KERNELS:
+        raise ValueError(f"unknown MLA decode kernel {kernel!r}; choose one of {', '.join(MLA_DECODE_KERNELS)}")
+    return _decode_rotation(layout, dev, kernel, MLA_MMA_WARPS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -185,17 +225,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def mla_decode_splits(num_reqs: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """KV splits per request: the fewest whose programs fill their waves (MLA_PROGRAMS_PER_SM per SM, what the
-    kernels' registers allow) within a share MLA_WAVE_FILL_SLACK of the best count, none shorter than
-    ``MLA_MIN_TOKENS_PER_SPLIT`` tokens, at most ``MLA_MAX_SPLITS`` (one on the CPU). A batch of one wave and a few
-    programs takes about two waves' time; these are the counts ``benchmarks/bench_mla_decode.py`` measured fastest."""
+def mla_decode_splits(num_reqs: int, num_heads: int, max_seq_len: int, device: torch.device,
+                      kernel: str = "mma") -> int:
+    """KV splits per request: the fewest whose programs fill their waves (the programs per SM that ``kernel``'s
+    registers and shared memory allow: MLA_WGMMA_PROGRAMS_PER_SM for "wgmma", MLA_PROGRAMS_PER_SM otherwise) within
+    a share MLA_WAVE_FILL_SLACK of the best count, none shorter than ``MLA_MIN_TOKENS_PER_SPLIT`` tokens, at most
+    ``MLA_MAX_SPLITS`` (one on the CPU). A batch of one wave and a few programs takes about two waves' time; these
+    are the counts ``benchmarks/bench_mla_decode.py`` measured fastest."""
     if device.type != "cuda":
         return 1
     from .paged_attention import _sm_count
 
     programs = max(num_reqs * triton.cdiv(num_heads, MLA_DECODE_HEADS), 1)
-    wave = MLA_PROGRAMS_PER_SM * _sm_count(str(device))
+    per_sm = MLA_WGMMA_PROGRAMS_PER_SM if kernel == "wgmma" else MLA_PROGRAMS_PER_SM
+    wave = per_sm * _sm_count(str(device))
     most = max(1, min(triton.cdiv(max(max_seq_len, 1), MLA_MIN_TOKENS_PER_SPLIT), MLA_MAX_SPLITS))
 
     def fill(splits: int) -> float:
@@ -256,8 +299,8 @@ def _launch_triton_decode(q_rot, q_pe, u8, f16, bf16, block_table, seq_lens, par
 def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, layout: MLAPagedLayout,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float, *,
                          max_seq_len: int | None = None, num_splits: int | None = None,
-                         rotated: bool = False, launch: MLADecodeLaunch | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         rotated: bool = False, launch: MLADecodeLaunch | None = None,
+                         kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention with the absorbed query over TurboQuant MLA pages: ql_nope [B, H, kv_lora_rank] (W_UK
     applied), q_pe [B, H, rope_dim], request b reading its first seq_lens[b] tokens through block_table[b] ->
     (out [B, H, kv_lora_rank] in ql_nope's dtype, the latent output before W_UV; lse [B, H] fp32, natural log,
@@ -269,8 +312,9 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     otherwise.
 
     ``max_seq_len`` (a host int, as vLLM's metadata has it) sizes the splits; without it the seq_lens are read
-    (a host synchronization). ``num_splits`` overrides the split count; ``launch`` runs the Triton kernel with that
-    launch shape (rotated queries then in its order: ``mla_decode_rotation(..., mma=False)``)."""
+    (a host synchronization). ``num_splits`` overrides the split count; ``kernel`` one of ``MLA_DECODE_KERNELS``
+    overrides the choice of kernel (rotated queries then in its order: ``mla_decode_rotation(..., kernel)``);
+    ``launch`` runs the Triton kernel with that launch shape."""
     _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout)
     u8, f16, bf16 = mla_cache_views(cache, layout)
     b, h, lr = ql_nope.shape
@@ -278,8 +322,9 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     t = mla_tables(layout, dev)
     c = t.codec
     lp = c.dim_pad
-    mma = launch is None and mla_mma_applies(layout, dev)
-    rows = mla_decode_rotation(layout, dev, mma)  # [L_PAD positions, L]
+    if kernel is None:
+        kernel = "triton" if launch is not None else mla_decode_kernel(layout, dev)
+    rows = mla_decode_rotation(layout, dev, kernel)  # [L_PAD positions, L]
     # The kernel scales both query parts for the base-2 softmax as it loads them.
     qk_scale = softmax_scale * LOG2E
     if rotated:
@@ -294,7 +339,7 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens[:b].max()) if b else 0
-        num_splits = mla_decode_splits(b, h, max_seq_len, dev)
+        num_splits = mla_decode_splits(b, h, max_seq_len, dev, kernel)
     part_o = torch.empty(num_splits, b, h, lp, dtype=torch.float32, device=dev)
     part_l = torch.empty(num_splits, b, h, dtype=torch.float32, device=dev)
     out_rot = torch.empty(b, h, lp, dtype=ql_nope.dtype if rotated else torch.float32, device=dev)
@@ -302,10 +347,19 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     if b == 0:
         return torch.empty(0, h, lr, dtype=ql_nope.dtype, device=dev), lse.t()
     lc = layout.kernel_constexprs()
-    if mma:
-        if u8.stride(0) % 4 or u8.data_ptr() % 4:
-            raise ValueError(f"the MLA decode kernel loads 4-byte planes: the cache's block stride ({u8.stride(0)}) "
-                             f"and address must be multiples of 4")
+    if kernel != "triton" and (u8.stride(0) % 4 or u8.data_ptr() % 4):
+        raise ValueError(f"the MLA decode kernel loads 4-byte planes: the cache's block stride ({u8.stride(0)}) "
+                         f"and address must be multiples of 4")
+    if kernel == "wgmma":
+        tq_mla_decode_wgmma_kernel[(b, triton.cdiv(h, 16), num_splits)](
+            q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
+            *_permute_words(layout, str(dev)),
+            part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
+            h, num_splits, qk_scale, qk_scale, DP=lp, PAGE=lc["PAGE"], B=int(layout.fmt.latent.kernel_bits),
+            IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], STAGES=MLA_WGMMA_STAGES, num_warps=4,
+        )
+    elif kernel == "mma":
         tq_mla_decode_mma_kernel[(b, triton.cdiv(h, 16), num_splits)](
             q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
             u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
@@ -372,5 +426,6 @@ def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.T
     return dst
 
 
-__all__ = ["MLA_GATHER_ROWS", "MLADecodeLaunch", "mla_absorbed_weights", "mla_decode_attention", "mla_decode_rotation",
-           "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies", "mla_mma_order", "mla_store"]
+__all__ = ["MLA_DECODE_KERNELS", "MLA_GATHER_ROWS", "MLADecodeLaunch", "mla_absorbed_weights", "mla_decode_attention",
+           "mla_decode_kernel", "mla_decode_rotation", "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies",
+           "mla_mma_order", "mla_store", "mla_wgmma_applies", "mla_wgmma_order"]

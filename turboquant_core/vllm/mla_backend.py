@@ -45,6 +45,7 @@ from ..ops.mla import (
     MLA_STORE_FEW_TOKENS,
     mla_absorbed_weights,
     mla_decode_attention,
+    mla_decode_kernel,
     mla_decode_splits,
     mla_gather_dequant,
     mla_store,
@@ -196,7 +197,8 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            num_splits=mla_decode_splits(block_table_tensor.shape[0], self.num_heads, longest, self.device),
+            num_splits=mla_decode_splits(block_table_tensor.shape[0], self.num_heads, longest, self.device,
+                                         mla_decode_kernel(self.layout, self.device)),
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:

@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA decode attention through Hopper warpgroup MMA (Gluon, sm_90a; jit only, launcher
+``ops.mla.mla_decode_attention``, reference ``ops.mla_reference.mla_decode_attention_ref``).
+
+The MLA latent is both key and value, DP = 512 (kv_lora_rank) coordinates read by every query head. One warpgroup
+serves one (request, block of 16 heads, KV split); the products are transposed so that MMA rows are tokens and latent
+coordinates and the 16 heads are the N = 16 columns. Per tile of 64 cached tokens:
+1. the latent's packed words (loaded into registers a tile ahead) are looked up into fp16 codebook values C [64, DP],
+   16 tokens at a time, and stored once into shared memory, with k_pe [64, 64] beside them;
+2. S^T [64, 16] = C . Q'^T * a + Kpe . Qpe^T: C and Kpe are the A operands, the queries (stored once) the B operands;
+3. online softmax over the tokens (base 2); P^T * a to shared memory (fp16);
+4. O^T [DP, 16] += C^T . P^T: the same shared tile read transposed (an MN-major A operand, which 16-bit types may be),
+   so the latent is looked up once per tile for both products.
+Position p = 8g + j of the tile holds field j of group g (the page's plane byte g), rotated coordinate j * DP/8 + g
+(``ops.mla.mla_wgmma_order``): the queries come in and the outputs leave in that order.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
+from .paged_decode_jit import _lookup4, _planes_to_words
+
+
+@gluon.jit
+def _fields_in_order(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+    """Words -> the codebook values of their 8 fields as trailing dims (j2, j1, j0): field j = 4 j2 + 2 j1 + j0 in
+    register j of the 8 (``paged_decode_jit._fields`` joins them the other way round), so that a group's 8 values
+    leave in one 16-byte store."""
+    x, half = _lookup_selectors(_nibble_fields(word, B), B)
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.join(gl.join(gl.join(f0, f4), gl.join(f2, f6)), gl.join(gl.join(f1, f5), gl.join(f3, f7)))
+
+
+@gluon.jit
+def _stage_tile(CACHE, bt_row, stride_cb, start, hi, last_blk, stg_w, stg_pe, stg_sc, s, wr, wc, pr, pc, sr, sk,
+                PAGE: gl.constexpr, B: gl.constexpr, G: gl.constexpr, IDX_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
+                SC_OFF: gl.constexpr):
+    """Asynchronous copies of the 64-token tile at ``start`` into stage ``s``, one commit group (none where start >=
+    hi): the latent's B planes (stg_w[s*B + k] = plane k, [64 tok, G/4 words]), k_pe (stg_pe[s], [64, 64] bf16) and
+    the fp16 scales (stg_sc[s], [4, 16]). Each 16 tokens lie in one page (PAGE % 16 == 0); rows past the sequence
+    read its last page (their scores are masked)."""
+    live = start < hi
+    wpage = gl.load(bt_row + gl.minimum((start + wr) // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    wrow = (CACHE + wpage * stride_cb + IDX_OFF + ((start + wr) % PAGE) * (B * G)).to(gl.pointer_type(gl.int32),
+                                                                                     bitcast=True)
+    for k in gl.static_range(B):
+        async_copy.async_copy_global_to_shared(stg_w.index(s * B + k), wrow[:, None] + (k * (G // 4) + wc)[None, :],
+                                               mask=live & (wc >= 0)[None, :] & (wr >= 0)[:, None])
+    ppage = gl.load(bt_row + gl.minimum((start + pr) // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    prow = (CACHE + ppage * stride_cb + ROPE_OFF + ((start + pr) % PAGE) * 128).to(gl.pointer_type(gl.bfloat16),
+                                                                                  bitcast=True)
+    async_copy.async_copy_global_to_shared(stg_pe.index(s), prow[:, None] + pc[None, :],
+                                           mask=live & (pc >= 0)[None, :] & (pr >= 0)[:, None])
+    spage = gl.load(bt_row + gl.minimum((start + 16 * sr) // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    srow = (CACHE + spage * stride_cb + SC_OFF + ((start + 16 * sr) % PAGE) * 2).to(gl.pointer_type(gl.float16),
+                                                                                   bitcast=True)
+    async_copy.async_copy_global_to_shared(stg_sc.index(s), srow[:, None] + sk[None, :],
+                                           mask=live & (sk >= 0)[None, :] & (sr >= 0)[:, None])
+    async_copy.commit_group()
+
+
+# The block table is a row slice of vLLM's (its alignment follows the batch) and the split count follows the batch:
+# neither is specialized, so one variant serves every batch.
+@gluon.jit(do_not_specialize=["num_splits", "BLOCK_TABLE", "stride_bt", "SEQ_LENS", "stride_pos", "stride_pls"])
+def tq_mla_decode_wgmma_kernel(
+    Q, stride_qb, stride_qh, QPE, stride_pb, stride_ph,
+    CACHE, CACHE16, CACHE_BF16, stride_cb, BLOCK_TABLE, stride_bt, SEQ_LENS,
+    c0, c1, c2, c3, c4, c5, c6, c7,
+    PART_O, stride_pos, stride_pot, stride_poh, PART_L, stride_pls, stride_plt,
+    num_heads, num_splits, q_scale, pe_scale,
+    DP: gl.constexpr, PAGE: gl.constexpr, B: gl.constexpr,
+    IDX_OFF: gl.constexpr, ROPE_OFF: gl.constexpr, SC_OFF: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Grid (requests, cdiv(num_heads, 16), num_splits), one warpgroup each. Q [B, H, DP]: the absorbed queries in
+    ``mla_wgmma_order``, QPE [B, H, 64] the rope queries (any float dtype; times q_scale / pe_scale as they are
+    loaded, the base-2 softmax scale, then fp16); c0..c7: the codebook's byte-permute words
+    (``ops.paged_decode.codebook_permute_words``). Writes PART_O[split, request, head, :DP] (the split's normalized
+    output, in the same order) and PART_L[split, request, head] (its log2-sum-exp; -inf for a split with no token)."""
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    gl.static_assert(STAGES >= 2, "a tile's copies are issued a tile or more ahead")
+    gl.static_assert(PAGE % 16 == 0, "each 16 tokens of a tile lie in one page")
+    BT: gl.constexpr = 64  # tokens per tile: the MMA's rows
+    NQ: gl.constexpr = 16  # heads per program: the MMA's columns
+    R: gl.constexpr = 64  # rope coordinates
+    G: gl.constexpr = DP // 8
+    NW: gl.constexpr = G // 4  # plane words (4 groups each) per token
+    gl.static_assert(NW == 16, "the word layout covers 16 words (64 groups) per token")
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # [16 tok, 16 words] of a plane: lanes 0-7 take 8 tokens, so that their 16-byte stores of one group's values land
+    # in 8 different bank groups of the swizzled tile; the staged planes are swizzled to keep these loads free of
+    # bank conflicts too
+    w_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], warp_bases=[[0, 4], [0, 8]],
+        block_bases=[], shape=[16, 16])
+    r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe copies
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] plane word copies
+    sc_l: gl.constexpr = gl.DistributedLinearLayout(  # [4 x 16 tokens] scale copies, 16 bytes per lane
+        reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [1, 0], [2, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
+
+    req = gl.program_id(0)
+    h0 = gl.program_id(1) * NQ
+    split = gl.program_id(2)
+    kv_len = gl.load(SEQ_LENS + req)
+    per_split = (kv_len + num_splits - 1) // num_splits
+    chunk = (per_split + BT - 1) // BT * BT
+    lo = split * chunk
+    hi = gl.minimum(kv_len, lo + chunk)
+    last_blk = gl.maximum(kv_len - 1, 0) // PAGE
+    bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
+
+    # Q'^T and Qpe^T as B operands in shared memory, K-major: stored [16 heads, DP] and [16, 64], read transposed.
+    # k_pe (bf16 in the pages) is the rope product's A operand as copied, so the rope queries are bf16 too, as a
+    # sum of two bf16 numbers (hi + lo) that keeps fp16's precision.
+    qr = gl.arange(0, NQ, layout=gl.SliceLayout(1, r_l))
+    qc = gl.arange(0, DP, layout=gl.SliceLayout(0, r_l))
+    rc = gl.arange(0, R, layout=gl.SliceLayout(0, r_l))
+    hmask = (h0 + qr < num_heads)[:, None]
+    q = gl.load(Q + req.to(gl.int64) * stride_qb + (h0 + qr)[:, None] * stride_qh + qc[None, :],
+                mask=hmask & (qc < DP)[None, :], other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.float16, [NQ, DP], sm_l, (q.to(gl.float32) * q_scale).to(gl.float16))
+    qpe = gl.load(QPE + req.to(gl.int64) * stride_pb + (h0 + qr)[:, None] * stride_ph + rc[None, :],
+                  mask=hmask & (rc < R)[None, :], other=0.0).to(gl.float32) * pe_scale
+    qpe_hi = qpe.to(gl.bfloat16)
+    qhi_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, qpe_hi)
+    qlo_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, (qpe - qpe_hi.to(gl.float32)).to(gl.bfloat16))
+    c_smem = gl.allocate_shared_memory(gl.float16, [BT, DP], sm_l)
+    p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BT], sm_l)
+    stg_w = gl.allocate_shared_memory(gl.int32, [STAGES * B, BT, NW], gl.SwizzledSharedLayout(4, 2, 4, [1, 0]))
+    stg_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, R], sm_l)
+    stg_sc = gl.allocate_shared_memory(gl.float16, [STAGES, 4, 16], plain)
+
+    wr = gl.arange(0, BT, layout=gl.SliceLayout(1, wc_l))
+    wc = gl.arange(0, NW, layout=gl.SliceLayout(0, wc_l))
+    pr = gl.arange(0, BT, layout=gl.SliceLayout(1, r_l))
+    sr = gl.arange(0, 4, layout=gl.SliceLayout(1, sc_l))
+    sk = gl.arange(0, 16, layout=gl.SliceLayout(0, sc_l))
+    ts = gl.arange(0, BT, layout=tok_l)
+    for t in gl.static_range(STAGES - 1):
+        _stage_tile(CACHE, bt_row, stride_cb, lo + t * BT, hi, last_blk, stg_w, stg_pe, stg_sc, t, wr, wc, pr, rc, sr,
+                    sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
+
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=col_l)
+    l_acc = gl.zeros([BT, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
+    acc = gl.zeros([DP, NQ], gl.float32, layout=mma)
+    for start in range(lo, hi, BT):
+        s = ((start - lo) // BT) % STAGES
+        async_copy.wait_group(STAGES - 2)  # this tile's copies (the later tiles' stay in flight)
+        gl.thread_barrier()  # ... of every thread; and the previous tile's products have read its shared tiles
+        _stage_tile(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_w, stg_pe, stg_sc,
+                    (s + STAGES - 1) % STAGES, wr, wc, pr, rc, sr, sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
+        for i in gl.static_range(4):
+            p0 = stg_w.index(s * B).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
+            p1 = stg_w.index(s * B + 1).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
+            p2 = p0
+            p3 = p0
+            if B >= 3:
+                p2 = stg_w.index(s * B + 2).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
+            if B == 4:
+                p3 = stg_w.index(s * B + 3).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
+            f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
+            # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
+            c_smem.slice(16 * i, 16).store(gl.reshape(f, [16, DP]))
+        tvalid = (start + ts) < hi
+        sc = stg_sc.index(s)._reinterpret(gl.float16, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(tok_l)
+        scf = gl.where(tvalid, sc.to(gl.float32), 0.0)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        kpe = stg_pe.index(s)
+        sco = warpgroup_mma(c_smem, q_smem.permute((1, 0)), gl.zeros([BT, NQ], gl.float32, layout=mma))
+        sco = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), sco * scf[:, None])
+        sco = warpgroup_mma(kpe, qlo_smem.permute((1, 0)), sco)
+        sco = gl.where(tvalid[:, None], sco, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sco, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sco - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        # p * a <= 65504 (the scales are fp16 numbers), so the fp16 operand never overflows
+        p_smem.store(gl.permute((p * scf[:, None]).to(gl.float16), [1, 0]))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(c_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
+    async_copy.wait_group(0)
+
+    l_i = gl.sum(l_acc, axis=0)
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    lse2 = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
+    o = acc / l_safe[None, :]
+    od = gl.arange(0, DP, layout=tok_l)
+    oh = gl.arange(0, NQ, layout=col_l)
+    sp = split.to(gl.int64)
+    gl.store(PART_O + sp * stride_pos + req.to(gl.int64) * stride_pot + (h0 + oh)[None, :] * stride_poh + od[:, None],
+             o, mask=(h0 + oh < num_heads)[None, :] & (od < DP)[:, None])
+    gl.store(PART_L + sp * stride_pls + req * stride_plt + h0 + oh, lse2, mask=h0 + oh < num_heads)
