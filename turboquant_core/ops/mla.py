@@ -13,9 +13,11 @@
   with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
   reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
   kernel and the merged output rotated back once per head after it; with ``rotated=True`` the caller's absorbed
-  weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the register-tile kernel
+  weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the warpgroup-MMA kernel on sm_90
+  (``mla_decode_wgmma_jit``, ``mla_wgmma_applies``) and the register-tile kernel on other GPUs
   (``mla_decode_mma_jit``, ``mla_mma_applies``), the others the Triton kernel (``mla_decode_jit``); each has its
-  coordinate order (``mla_decode_rotation``). Reference: ``mla_reference.mla_decode_attention_ref``.
+  coordinate order (``mla_decode_rotation``; ``mla_decode_kernel`` names the one that runs). Reference:
+  ``mla_reference.mla_decode_attention_ref``.
 - ``mla_absorbed_weights(layout, w_uk_t, w_uv)``: vLLM's absorbed MLA weights (W_UK_T, W_UV) with the latent's
   rotation folded in, so that decode attention needs no rotation product at all.
 """
