@@ -144,8 +144,11 @@ def mla_mma_applies(layout: MLAPagedLayout, device) -> bool:
             and layout.index_offset % 4 == 0 and _gluon_runs(str(torch.device(device))))
 
 
-def _sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+@functools.lru_cache(maxsize=16)
+def _sm90(device: str) -> bool:
+    # (cached: the kernel choice runs on every decode step's metadata and launch)
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) == (9, 0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -178,7 +181,7 @@ def mla_wgmma_applies(layout: MLAPagedLayout, device) -> bool:
     applies, with a 512-wide latent, on an sm_90 GPU (wgmma needs sm_90a)."""
     dev = torch.device(device)
     return (MLA_WGMMA_DECODE and layout.kv_lora_rank == 512 and mla_mma_applies(layout, dev)
-            and _sm90(dev))
+            and _sm90(str(dev)))
 
 
 def mla_decode_kernel(layout: MLAPagedLayout, device) -> str:
