@@ -70,7 +70,10 @@ Timeline (--timeline): instead of a decode window, every engine step of each sce
 last token, timed to the end of its GPU work (torch.cuda.synchronize() after each step, so async scheduling's overlap
 is not in these times) with the tokens and requests it scheduled. The report sums the steps by kind: prefill steps
 (new prompts, chunks, re-prefills after a preemption; decode tokens may ride along), pure-decode steps and empty ones.
-It answers where a whole run's time goes when a steady decode step alone does not explain its throughput.
+It answers where a whole run's time goes when a steady decode step alone does not explain its throughput. With
+--profile-prefill the profiler runs from the first step to the first pure-decode step, and the report adds the GPU
+time of the prefill steps by kernel family (the events their launches correlate to) and their top kernels: where the
+time to first token goes.
 
 Output in --out: profile.json (device, date, command, per config and scenario: running sequences, mean context,
 step ms, per family ms / share / ms per 100 sequences / limit, kernels per step, top 15 kernels), profile.md (per
@@ -117,7 +120,7 @@ FAMILY_RULES: tuple[tuple[str, str], ...] = (
                   r"BatchDecode|BatchPrefill"),
     # Ours by their whole names: Inductor names a fused kernel after the ops it fuses ("..._rms_norm_tq_linear_0").
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688|marlin::|"
-             r"^(tq_linear_mma|tq_moe_linear|tq_rotate|tq_rotate_fp16|tq_dequant)_kernel$"),
+             r"fused_moe_kernel|^(tq_linear_mma|tq_moe_linear|tq_rotate|tq_rotate_fp16|tq_dequant)_kernel$"),
     ("sampling", r"argmax|sampl|top_?k|top_?p|softmax|gumbel|penalt|multinomial|exponential|logit"),
     ("elementwise", r"norm|rotary|rope|silu|gelu|act_and_mul|activation|swiglu|triton_(poi|per|red)_|elementwise|"
                     r"vectorized|at::native|CatArray|fill|copy"),
@@ -223,6 +226,20 @@ def gpu_events(trace: dict) -> dict:
     return dict(events=events, graph_kernels=graph_kernels, graph_launches=sum(
         1 for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver") and GRAPH_LAUNCH.search(e.get("name", ""))),
         launch_calls=launch_calls)
+
+
+def events_of_steps(trace: dict, marks: set[str]) -> list[tuple[str, float, float]]:
+    """GPU events (name, start_us, dur_us) launched inside the ``record_function`` ranges named in ``marks``: by the
+    correlation ids of the runtime and driver calls made within those ranges (a CUDA graph's kernels carry their
+    cudaGraphLaunch's)."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in evs
+             if e.get("cat") == "user_annotation" and e.get("name") in marks]
+    corr = {e["args"]["correlation"] for e in evs
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})
+            and any(lo <= float(e["ts"]) <= hi for lo, hi in spans)}
+    return [(e.get("name", ""), float(e["ts"]), float(e.get("dur", 0.0))) for e in evs
+            if e.get("cat") in GPU_CATS and (e.get("args") or {}).get("correlation") in corr]
 
 
 def one_step_trace(trace: dict, step: int) -> dict | None:
@@ -526,7 +543,29 @@ def render_timeline(doc: dict, baseline: str = "bf16") -> str:
             lines.append(f"| {r['config']}{note} | {t['total_s']:.2f} | {vs} | {t['prefill_steps']} | "
                          f"{t['prefill_s']:.2f} | {t['prefill_tokens']} | {t['decode_steps']} | {t['decode_s']:.2f} | "
                          f"{_fmt(t['decode_ms_mean'])} | {t['idle_steps']} |")
+        lines += render_prefill_profile([r for r in rs if r.get("prefill_profile")])
     return "\n".join(lines)
+
+
+def render_prefill_profile(runs: list[dict], top: int = 8) -> list[str]:
+    """Lines of a scenario's prefill-step GPU time (--profile-prefill): one column per config, ms over all its
+    prefill steps per kernel family, then each config's top kernels."""
+    if not runs:
+        return []
+    lines = ["", "GPU time of the prefill steps (ms, all of them together; under the profiler):", "",
+             "| family | " + " | ".join(r["config"] for r in runs) + " |",
+             "|---|" + "---:|" * len(runs)]
+    rows = [("prefill steps", lambda p: str(p["steps"])), ("step wall time", lambda p: f"{p['wall_ms']:.0f}"),
+            ("GPU busy", lambda p: f"{p['busy_ms']:.0f}")]
+    rows += [(FAMILY_LABELS[f], lambda p, f=f: f"{p['family_ms'].get(f, 0.0):.1f}") for f in FAMILIES]
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(r["prefill_profile"]) for r in runs) + " |")
+    for r in runs:
+        lines += ["", f"{r['config']}, top kernels of the prefill steps:", ""]
+        for k in r["prefill_profile"]["top_kernels"][:top]:
+            lines.append(f"- {k['ms_per_step']:.1f} ms, {k['calls_per_step']:.0f} calls, {k['family']}: "
+                         f"`{k['name'][:120]}`")
+    return lines
 
 
 def _log(msg: str) -> None:
@@ -715,24 +754,98 @@ def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args,
     ids = _enqueue_scenario(llm, sc)
     steps: list[dict] = []
     complete = False
+    prefill = prof = host_report = None
+    # --profile-prefill: the profiler runs from the first step until the first pure-decode step (that step is
+    # profiled too but not counted: only the steps with prefill tokens are).
+    if args.profile_prefill:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.start()
+    # --host-profile: cProfile over the same steps (host time by Python function; a call that waits for the GPU
+    # shows as its own time)
+    host = None
+    if args.host_profile:
+        import cProfile
+
+        host = cProfile.Profile()
+        host.enable()
     try:
         torch.cuda.synchronize()
         while engine.has_unfinished_requests() and len(steps) < 4 * n_out + 1000:
             i0, t0 = len(rec.records), time.perf_counter()
-            engine.step()
+            if prof is not None:
+                with record_function(f"{STEP_MARK}{len(steps)}"):
+                    engine.step()
+            else:
+                engine.step()
             torch.cuda.synchronize()
             recs = rec.records[i0:]
             steps.append(dict(ms=1e3 * (time.perf_counter() - t0), tokens=sum(r["tokens"] for r in recs),
                               reqs=max((r["reqs"] for r in recs), default=0), pure=all(r["pure"] for r in recs)))
+            if steps[-1]["pure"] and steps[-1]["tokens"]:
+                if prof is not None:
+                    prof.stop()
+                    prefill = prefill_profile(prof, steps)
+                    prof = None
+                if host is not None:
+                    host.disable()
+                    host_report = write_host_profile(host, args, label)
+                    host = None
         complete = not engine.has_unfinished_requests()
     finally:
+        if prof is not None:  # the scenario ended (or failed) before a pure-decode step
+            prof.stop()
+            prefill = prefill_profile(prof, steps)
+        if host is not None:
+            host.disable()
+            host_report = write_host_profile(host, args, label)
         if not complete:
             _abort_and_settle(engine, sched, core, ids)
     t = summarize_timeline(steps)
     _log(f"{args.config_name} {label}: {t['steps']} steps, {t['total_s']:.2f} s: prefill {t['prefill_steps']} steps "
          f"{t['prefill_s']:.2f} s, decode {t['decode_steps']} steps {t['decode_s']:.2f} s")
-    return dict(scenario=label, input_len=n_in, output_len=n_out, batch=batch, complete=complete, timeline=t,
-                steps=steps)
+    out = dict(scenario=label, input_len=n_in, output_len=n_out, batch=batch, complete=complete, timeline=t,
+               steps=steps)
+    if args.host_profile:
+        out["host_profile"] = host_report
+    if args.profile_prefill:
+        out["prefill_profile"] = prefill
+        fam = ", ".join(f"{f} {ms:.0f}" for f, ms in prefill["family_ms"].items() if ms >= 1)
+        _log(f"{args.config_name} {label}: prefill steps' GPU time by family, ms: {fam}")
+    return out
+
+
+def write_host_profile(host, args, label: str, top: int = 60) -> str | None:
+    """The cProfile statistics of a timeline's steps up to the first pure-decode one: the ``top`` functions by own
+    time and by cumulative time, as text in ``host-<config>-<scenario>.txt`` of the trace folder (its name returned;
+    None without a trace folder)."""
+    import io
+    import pstats
+
+    if not args.trace_dir:
+        return None
+    buf = io.StringIO()
+    stats = pstats.Stats(host, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    name = f"host-{args.config_name}-{label}.txt"
+    Path(args.trace_dir, name).write_text(buf.getvalue())
+    return name
+
+
+def prefill_profile(prof, steps: list[dict]) -> dict:
+    """GPU time of a timeline's prefill steps (those with a prefill token, marked ``STEP_MARK<i>``) from a stopped
+    profiler: ``aggregate`` over them, as totals (ms over all of them), with their count and wall seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    marks = {f"{STEP_MARK}{i}" for i, s in enumerate(steps) if s["tokens"] and not s["pure"]}
+    out = aggregate(events_of_steps(trace, marks), steps=1)
+    out.update(steps=len(marks), wall_ms=sum(s["ms"] for i, s in enumerate(steps) if f"{STEP_MARK}{i}" in marks))
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -819,6 +932,10 @@ def run_config(args, name: str, install: str, dtype: str, out: Path,
         cmd.append("--enforce-eager")
     if args.timeline:
         cmd.append("--timeline")
+    if args.profile_prefill:
+        cmd.append("--profile-prefill")
+    if args.host_profile:
+        cmd.append("--host-profile")
     if args.cupti_warmup:
         cmd.append("--cupti-warmup")
     if quantization:
@@ -918,6 +1035,13 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="time every engine step of each scenario from start to finish instead of a decode window "
                          "(no profiler)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="with --timeline: GPU time of the prefill steps by kernel family and the top kernels "
+                         "(torch.profiler from the first step to the first pure-decode step; the step times are "
+                         "then taken under the profiler)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="with --timeline: cProfile over the steps up to the first pure-decode one, its top functions "
+                         "in host-<config>-<scenario>.txt (host time of the prefill steps by Python function)")
     ap.add_argument("--no-trace", action="store_true", help="write no Chrome trace")
     ap.add_argument("--trace-max-mb", type=float, default=5.0, help="largest gzipped one-step trace kept")
     ap.add_argument("--timeout", type=float, default=900,
@@ -951,6 +1075,9 @@ def main(argv=None) -> int:
     for opt, low in (("steps", 1), ("warm_steps", 0), ("timed_steps", 1), ("max_attempts", 1)):
         if getattr(args, opt) < low:
             ap.error(f"--{opt.replace('_', '-')} must be at least {low}, got {getattr(args, opt)}")
+    for opt in ("profile_prefill", "host_profile"):
+        if getattr(args, opt) and not args.timeline:
+            ap.error(f"--{opt.replace('_', '-')} profiles a --timeline run's prefill steps: add --timeline")
     if args.trace_max_mb <= 0:
         ap.error(f"--trace-max-mb must be positive, got {args.trace_max_mb}")
     if not Path(args.model, "config.json").is_file():
@@ -971,7 +1098,8 @@ def main(argv=None) -> int:
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                              cudagraph_sizes=args.cudagraph_sizes or "vLLM's", cupti_warmup=args.cupti_warmup,
-                             timeline=args.timeline),
+                             timeline=args.timeline, profile_prefill=args.profile_prefill,
+                             host_profile=args.host_profile),
                family_rules=[list(r) for r in FAMILY_RULES], configs=[], runs=[])
     for name, install, dtype, quantization in configs:
         cfg, runs = run_config(args, name, install, dtype, out, quantization)

@@ -3,6 +3,7 @@
 (busy time as a union), trace parsing, limits, argument errors, the markdown report, and the decode-window logic
 against a scripted engine."""
 
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -508,7 +509,7 @@ def test_timeline_scenario_times_every_step_to_the_last_token(prof, monkeypatch)
     sched = _FinishingSched(n_out=5, per_step=2, prefill_at=(4,))
     rec = prof.ScheduleRecorder(sched)
     llm = _LLM(sched)
-    args = SimpleNamespace(config_name="ours-k3v4")
+    args = SimpleNamespace(config_name="ours-k3v4", profile_prefill=False, host_profile=False)
     out = prof._timeline_scenario(llm, fake_torch, sched, SimpleNamespace(batch_queue=None), rec, (8, 5, 6), args,
                                   "8x5x6")
     # 6 prompts at 2 per step: 3 prefill steps (the first decode tokens ride along), the re-prefill of step 4, and
@@ -532,3 +533,67 @@ def test_timeline_report_compares_whole_runs(prof):
     md = prof.render_timeline(doc)
     assert "## 1024x256x64" in md and "| bf16 | 0.10 | 1.00x | 1 | 0.10 | 10 | 1 | 0.00 | 4.00 | 0 |" in md
     assert "| ours-k3v4 | 0.20 | 2.00x |" in md
+
+
+# ---- --profile-prefill: the GPU time of a timeline's prefill steps
+
+
+def test_events_of_steps_keeps_the_marked_steps_launches(prof):
+    ev = prof.events_of_steps(_trace(), {"tq_decode_step_1"})
+    # step 1's graph kernels (run after its host range) and its eager argmax; not step 0's, not the memcpy whose
+    # launch is not in the trace
+    assert sorted((n, ts) for n, ts, _ in ev) == [
+        ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNT", 2600.0), ("tq_paged_attention_kernel", 2500.0),
+        ("void at::native::reduce_kernel<ArgMaxOps<float> >", 2700.0)]
+    assert len(prof.events_of_steps(_trace(), {"tq_decode_step_0", "tq_decode_step_1"})) == 6
+    assert prof.events_of_steps(_trace(), set()) == []
+
+
+class _Profiler:
+    """torch.profiler.profile's surface that _timeline_scenario uses; its trace is ``_trace()``."""
+
+    instances: list = []
+
+    def __init__(self, activities):
+        self.started = self.stopped = 0
+        _Profiler.instances.append(self)
+
+    def start(self):
+        self.started += 1
+
+    def stop(self):
+        self.stopped += 1
+
+    def export_chrome_trace(self, path):
+        Path(path).write_text(json.dumps(_trace()))
+
+
+def test_timeline_scenario_profiles_its_prefill_steps(prof, monkeypatch, tmp_path):
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    profiler = types.ModuleType("torch.profiler")
+    profiler.profile, profiler.ProfilerActivity = _Profiler, SimpleNamespace(CPU="cpu", CUDA="cuda")
+    profiler.record_function = lambda name: contextlib.nullcontext()
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+    _Profiler.instances.clear()
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None))
+    sched = _FinishingSched(n_out=5, per_step=2, prefill_at=())
+    rec = prof.ScheduleRecorder(sched)
+    args = SimpleNamespace(config_name="ours-k3v4", profile_prefill=True, host_profile=True,
+                           trace_dir=str(tmp_path))
+    out = prof._timeline_scenario(_LLM(sched), fake_torch, sched, SimpleNamespace(batch_queue=None), rec, (8, 5, 6),
+                                  args, "8x5x6")
+    (p,) = _Profiler.instances
+    assert p.started == p.stopped == 1  # stopped at the first pure-decode step, not again at the end
+    pre = out["prefill_profile"]
+    # 3 prefill steps (6 prompts at 2 per step): the trace's marks 0 and 1 are two of them
+    assert pre["steps"] == 3 and out["timeline"]["prefill_steps"] == 3
+    assert pre["wall_ms"] == pytest.approx(sum(s["ms"] for s in out["steps"][:3]))
+    assert pre["kernels_per_step"] == 6 and pre["family_ms"]["attention"] == pytest.approx(0.18)
+    host = (tmp_path / out["host_profile"]).read_text()
+    assert out["host_profile"] == "host-ours-k3v4-8x5x6.txt" and "schedule" in host and "cumulative" in host
+    md = prof.render_prefill_profile([dict(config="ours-k3v4", prefill_profile=pre)])
+    assert "| prefill steps | 3 |" in md and "| attention | 0.2 |" in md
+    assert any("tq_paged_attention_kernel" in line for line in md)
+    assert prof.render_prefill_profile([]) == []
