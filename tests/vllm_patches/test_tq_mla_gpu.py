@@ -77,6 +77,7 @@ def run_config(tmp_path: Path, **config) -> tuple[dict, str]:
                          capture_output=True, text=True, timeout=1800)
     log = res.stdout + res.stderr
     assert res.returncode == 0, f"{config}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    assert out.is_file(), f"{config}: the child process exited 0 without writing {out.name}\n{log[-3000:]}"
     return json.loads(out.read_text()), log
 
 
@@ -119,7 +120,6 @@ def test_mla_model_serves_from_turboquant_latent_pages(bf16, tmp_path, dtype):
           f"KV tokens {have} vs bf16 {bf16_tokens} ({have / bf16_tokens:.2f}x)")
 
 
-
 def test_preemption_recomputes_into_new_latent_pages(tmp_path):
     """A pool too small for the eight requests at once: eight 300-token prompts all start (152 blocks of 16), then
     grow by 512 tokens each (408 blocks in all) in the smallest pool vLLM accepts for a 4096-token model (257
@@ -135,3 +135,8 @@ def test_preemption_recomputes_into_new_latent_pages(tmp_path):
     assert agree >= 7, [_agreeing_prefix(a, b) for a, b in zip(tight["tokens"], roomy["tokens"])]
     for lps in tight["logprobs"]:
         assert all(math.isfinite(v) for v in lps)
+
+
+if __name__ == "__main__":
+    cfg, out_path = json.loads(sys.argv[1]), Path(sys.argv[2])
+    out_path.write_text(json.dumps(_generate(cfg)))
