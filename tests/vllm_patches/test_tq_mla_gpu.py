@@ -137,6 +137,39 @@ def test_preemption_recomputes_into_new_latent_pages(tmp_path):
         assert all(math.isfinite(v) for v in lps)
 
 
+def test_context_mask_warmup_compiles_what_chunked_prefill_steps_launch():
+    """vLLM's chunked-context prefill masks the context chunks of the prefills that have none (a step that continues
+    a chunked prompt beside new ones) with a Triton kernel of its own. The MLA backend's warm-up compiles its variants,
+    so no such step compiles it: steps of any prefill token and request count launch only warmed variants."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from vllm.v1.attention.ops.triton_merge_attn_states import mask_empty_context, mask_empty_context_kernel
+
+    from turboquant_core.vllm.mla_backend import CONTEXT_MASK_SHAPES, warmup_context_mask
+
+    dev = torch.device("cuda")
+    heads = 16
+    assert warmup_context_mask(heads, dev) == len(CONTEXT_MASK_SHAPES)
+    kernel_cache = mask_empty_context_kernel.device_caches[torch.cuda.current_device()][0]
+    warmed = set(kernel_cache)
+    assert warmed
+    for tokens in (2, 3, 8, 16, 17, 48, 1000, 1024, 8184, 8192):
+        for reqs in (2, 3, 7, 8, 16, 31, 32, 64):
+            if reqs > tokens:
+                continue
+            lse = torch.zeros(heads, tokens, dtype=torch.float32, device=dev)
+            out = torch.ones(tokens, heads, 8, dtype=torch.bfloat16, device=dev)
+            starts = torch.tensor([0, *range(1, reqs), tokens], dtype=torch.int32, device=dev)
+            # cumulative context offsets: the first request has none, the others 5 tokens each
+            context = torch.tensor([0, 0, *range(5, 5 * reqs, 5)], dtype=torch.int32, device=dev)
+            mask_empty_context(lse, out, starts, context)
+            assert bool(torch.isneginf(lse[:, 0]).all()) and not bool(out[0].any())  # masked: it ran
+            assert bool(out[1:].all()), (tokens, reqs)  # the others untouched
+    assert set(kernel_cache) == warmed, f"{len(set(kernel_cache) - warmed)} variant(s) compiled after the warm-up"
+
+
 if __name__ == "__main__":
     cfg, out_path = json.loads(sys.argv[1]), Path(sys.argv[2])
     out_path.write_text(json.dumps(_generate(cfg)))

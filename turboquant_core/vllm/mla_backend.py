@@ -22,6 +22,7 @@ per-head keys (boundary layers kept in bf16, prefill from the cache).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,6 +37,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadataBuilder,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.ops.triton_merge_attn_states import mask_empty_context
 from vllm.v1.kv_cache_interface import KVQuantMode
 
 from ..config import TQConfig
@@ -212,8 +214,9 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
 
     def warmup_kernels(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int, scale: float,
                        rotated: bool = False) -> int:
-        """Compile the store, decode (split and unsplit), split-merge and context-gather kernels before serving;
-        writes only the null block 0 (vLLM never hands it to a request)."""
+        """Compile the store, decode (split and unsplit), split-merge and context-gather kernels, and vLLM's
+        context mask of the chunked-context prefill (``warmup_context_mask``), before serving; writes only the null
+        block 0 (vLLM never hands it to a request)."""
         dev = kv_cache.device
         lay = self.layout
         lr, r = lay.kv_lora_rank, lay.rope_dim
@@ -242,7 +245,27 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         dst = torch.empty(tokens, lr + r, dtype=dtype, device=dev)
         starts = torch.zeros(1, dtype=torch.int32, device=dev)
         mla_gather_dequant(kv_cache, lay, dst, block_table, cu, to_seq, tokens, seq_starts=starts)
-        return launches + 3
+        return launches + 3 + warmup_context_mask(num_heads, dev)
+
+
+# (prefill tokens, prefill requests) of the context-mask warm-up: Triton specializes the token count (the LSE's head
+# stride) and the request count on divisibility by 16, so these four cover every variant a step can make (a step
+# masks only when some of its two or more prefills has no context in a chunk).
+CONTEXT_MASK_SHAPES = ((16, 2), (17, 2), (16, 16), (17, 16))
+
+
+def warmup_context_mask(num_heads: int, device: torch.device) -> int:
+    """Compile vLLM's ``mask_empty_context`` kernel, which its MLA chunked-context prefill runs when a step continues a
+    chunked prompt beside new ones, for every ``CONTEXT_MASK_SHAPES`` variant; returns the launches. This backend
+    serves short extends as prefills (single-token decode only), so that step comes with the first batch of prompts
+    longer than a step's token budget, and the compile would hold it."""
+    for tokens, reqs in CONTEXT_MASK_SHAPES:
+        lse = torch.zeros(num_heads, tokens, dtype=torch.float32, device=device)
+        out = torch.zeros(tokens, num_heads, 8, dtype=torch.bfloat16, device=device)
+        per_req = [1] * (reqs - 1) + [tokens - reqs + 1]
+        starts = torch.tensor([0, *itertools.accumulate(per_req)], dtype=torch.int32, device=device)
+        mask_empty_context(lse, out, starts, torch.zeros(reqs + 1, dtype=torch.int32, device=device))
+    return len(CONTEXT_MASK_SHAPES)
 
 
 class TQMLAImpl(MLACommonImpl[MLACommonMetadata]):

@@ -3,7 +3,7 @@
 centred layers their sums kept across steps, then compile every kernel variant the serving paths can reach (store;
 decode split/unsplit; chunked-prefill context for every query-block shape; split merge), on the null block 0 of each
 group's KV cache, before CUDA-graph capture. MLA groups (TURBOQUANT_MLA): store, decode with every split-merge
-variant, and the prefill context's gather.
+variant, the prefill context's gather, and vLLM's own context mask of its chunked-context prefill.
 
 vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
 this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
