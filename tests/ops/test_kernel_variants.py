@@ -11,7 +11,8 @@ batches (sliced block tables, every token count, short and long cached contexts,
 produce keys the warm-up produced, and that the warm-up produces no key they never reach. It also
 compiles every warm-up variant to a cubin for sm_90 (Triton's bundled ptxas), which catches code that
 the interpreter accepts and the GPU compiler rejects, a variant over the shared-memory limit, and a
-store-path variant that spills registers.
+store-path variant that spills registers. The MLA kernels (``ops.mla.mla_warmup_kernels``) get the same coverage
+check against stores, decode batches and context gathers shaped as vLLM's MLA layer makes them.
 """
 
 import json
@@ -299,3 +300,78 @@ def test_two_segment_formats_at_head_dim_64_compile_for_sm90(fmt):
     miscompile into illegal addresses (SmolLM2, GQA group 3). The planner keeps such formats at <= 32 rows;
     this compiles every warm-up variant (decode and every context shape)."""
     _check_compiled(_probe("compile", (fmt, 9, 3, 64, "none")))
+
+
+# ---- MLA latent caches: ops.mla.mla_warmup_kernels against serving-like launches
+
+MLA_PROBE = r'''
+import json, sys
+import torch
+from tests.ops import sm90_probe
+
+seen = []
+sm90_probe.install(lambda launch: seen.append((launch.name, launch.key)))
+
+from turboquant_core.ops import mla as mla_ops
+from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
+
+fmt, kernel = sys.argv[1], sys.argv[2]
+mla_ops._gluon_runs = lambda device: kernel != "triton"  # plan as on a GPU of that kind
+mla_ops._sm90 = lambda device: kernel == "wgmma"
+heads, lr, r, bs = 16, 512, 64, 16
+lay = mla_paged_layout(fmt, bs)
+cache = allocate_mla_cache(64, lay)
+mla_ops.mla_warmup_kernels(cache, lay, torch.bfloat16, heads, 0.1, rotated=kernel != "triton")
+warm = set(seen)
+seen.clear()
+# Serving-like launches, in vLLM's tensors: kv_c the normed latent rows, k_pe a view of the kv_a projection's output,
+# slot mappings and block tables slices of persistent buffers, the absorbed queries a transposed bmm output and q_pe a
+# view of the queries, the prefill context in rows of the chunked-context workspace, its offsets rows of 2-D tables.
+most = 8192 + 7
+kv_a = torch.zeros(most, lr + r, dtype=torch.bfloat16)
+kv_c = torch.zeros(most, lr, dtype=torch.bfloat16)
+slot_buf = torch.full((most,), -1, dtype=torch.int64)
+for n in (1, 3, 7, 16, 33, 64, 255, 256, 257, 300, 1016, 8192, 8199):
+    mla_ops.mla_store(kv_c[:n], kv_a[:n, lr:], cache, slot_buf[:n], lay)
+table = torch.zeros(300, 160, dtype=torch.int32)
+seq = torch.full((300,), 40, dtype=torch.int32)
+for b in (1, 2, 3, 5, 8, 16, 31, 64, 128, 257):
+    ql = torch.zeros(heads, b, lr, dtype=torch.bfloat16).transpose(0, 1)
+    q_pe = torch.zeros(b, heads, 128 + r, dtype=torch.bfloat16)[..., 128:]
+    for first in (0, 1, 3):
+        for splits in (1, 2, 3, 5, 8, 13, 16, 20, 33, 64):
+            mla_ops.mla_decode_attention(ql, q_pe, cache, lay, table[first: first + b], seq[first: first + b], 0.1,
+                                         num_splits=splits, rotated=kernel != "triton")
+workspace = torch.empty(8192 * 2, lr + r, dtype=torch.bfloat16)
+for chunks, n in ((1, 1), (2, 5), (1, 16), (3, 17), (2, 1016), (1, 8192)):
+    cu = torch.zeros(chunks, 4, dtype=torch.int32)
+    cu[:, 1:] = n
+    to_seq = torch.zeros(chunks, n, dtype=torch.int32)
+    starts = torch.zeros(chunks, 3, dtype=torch.int32)
+    for i in range(chunks):
+        mla_ops.mla_gather_dequant(cache, lay, workspace, table[1:4], cu[i], to_seq[i], n, seq_starts=starts[i])
+serve = set(seen)
+print(json.dumps(dict(missing=sorted(map(list, serve - warm)), unused=sorted(map(list, warm - serve)),
+                      kernels=sorted({k for k, _ in serve}))))
+'''
+
+MLA_SERVING_KERNELS = {"tq_mla_store_kernel", "tq_mla_store_finish_kernel", "tq_merge_splits_kernel",
+                       "tq_mla_gather_kernel"}
+MLA_DECODE_KERNELS = {"wgmma": "tq_mla_decode_wgmma_kernel", "mma": "tq_mla_decode_mma_kernel",
+                      "triton": "tq_mla_decode_kernel"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,kernel", [("turboquant_k3v4_nc", "wgmma"), ("turboquant_4bit_nc", "mma"),
+                                        ("turboquant_k8v4", "triton")])
+def test_mla_warmup_covers_every_serving_variant(fmt, kernel):
+    """The MLA warm-up compiles every variant that stores of any token count, decode batches of any size, table
+    slice and split count (on an H100 / H200 the warpgroup-MMA kernel, on other GPUs the register-tile kernel,
+    fp8 latents the Triton kernel) and context gathers of any chunk launch, and nothing they never reach."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", MLA_PROBE, fmt, kernel], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    if p.returncode != 0:
+        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
+    _check_coverage(json.loads(p.stdout.strip().splitlines()[-1]),
+                    MLA_SERVING_KERNELS | {MLA_DECODE_KERNELS[kernel]})

@@ -431,6 +431,43 @@ def mla_gather_dequant(cache: torch.Tensor, layout: MLAPagedLayout, dst: torch.T
     return dst
 
 
+def mla_warmup_kernels(cache: torch.Tensor, layout: MLAPagedLayout, dtype: torch.dtype, num_heads: int,
+                       softmax_scale: float, rotated: bool = False, block_id: int = 0) -> int:
+    """Launch once every variant of the MLA kernels a serving engine reaches, so that Triton compiles them at start-up
+    and not inside the first requests: the store (a decode step's few tokens, a prefill's many), decode with its split
+    merge for every power-of-two split count up to ``MLA_MAX_SPLITS`` (the merge's variants; the decode kernel has
+    one), and the context gather. Token counts, batch sizes, split counts and sequence lengths are run-time
+    arguments. Writes one block (``block_id``; vLLM's block 0 is its never-read null block) and reads only it.
+    Returns the launches."""
+    dev = cache.device
+    lr, r = layout.kv_lora_rank, layout.rope_dim
+    tokens = min(layout.block_size, 16)
+    slots = block_id * layout.block_size + torch.arange(tokens, dtype=torch.int64, device=dev)
+    mla_store(torch.zeros(tokens, lr, dtype=dtype, device=dev), torch.zeros(tokens, r, dtype=dtype, device=dev),
+              cache, slots, layout)
+    # The store's prefill shape (wide column chunks) too; every slot skipped, nothing written.
+    many = MLA_STORE_FEW_TOKENS + 1
+    mla_store(torch.zeros(many, lr, dtype=dtype, device=dev), torch.zeros(many, r, dtype=dtype, device=dev),
+              cache, torch.full((many,), -1, dtype=torch.int64, device=dev), layout)
+    block_table = torch.full((1, 1), block_id, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), tokens, dtype=torch.int32, device=dev)
+    q = torch.zeros(1, num_heads, lr, dtype=dtype, device=dev)
+    q_pe = torch.zeros(1, num_heads, r, dtype=dtype, device=dev)
+    launches = 2
+    splits = 1
+    while splits <= MLA_MAX_SPLITS:
+        mla_decode_attention(q, q_pe, cache, layout, block_table, seq_lens, softmax_scale, num_splits=splits,
+                             rotated=rotated)
+        launches += 1
+        splits *= 2
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    to_seq = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    dst = torch.empty(tokens, lr + r, dtype=dtype, device=dev)
+    starts = torch.zeros(1, dtype=torch.int32, device=dev)
+    mla_gather_dequant(cache, layout, dst, block_table, cu, to_seq, tokens, seq_starts=starts)
+    return launches + 1
+
+
 __all__ = ["MLA_DECODE_KERNELS", "MLA_GATHER_ROWS", "MLADecodeLaunch", "mla_absorbed_weights", "mla_decode_attention",
            "mla_decode_kernel", "mla_decode_rotation", "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies",
-           "mla_mma_order", "mla_store", "mla_wgmma_applies", "mla_wgmma_order"]
+           "mla_mma_order", "mla_store", "mla_warmup_kernels", "mla_wgmma_applies", "mla_wgmma_order"]

@@ -43,14 +43,13 @@ from vllm.v1.kv_cache_interface import KVQuantMode
 from ..config import TQConfig
 from ..formats import mla_format
 from ..ops.mla import (
-    MLA_MAX_SPLITS,
-    MLA_STORE_FEW_TOKENS,
     mla_absorbed_weights,
     mla_decode_attention,
     mla_decode_kernel,
     mla_decode_splits,
     mla_gather_dequant,
     mla_store,
+    mla_warmup_kernels,
 )
 from ..ops.mla_layout import MLAPagedLayout, mla_kv_cache_shape, mla_paged_layout
 from .backend import TQBackendTraits, check_tq_dtype
@@ -214,38 +213,11 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
 
     def warmup_kernels(self, kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int, scale: float,
                        rotated: bool = False) -> int:
-        """Compile the store, decode (split and unsplit), split-merge and context-gather kernels, and vLLM's
-        context mask of the chunked-context prefill (``warmup_context_mask``), before serving; writes only the null
-        block 0 (vLLM never hands it to a request)."""
-        dev = kv_cache.device
-        lay = self.layout
-        lr, r = lay.kv_lora_rank, lay.rope_dim
-        tokens = min(lay.block_size, 16)
-        slots = torch.arange(tokens, dtype=torch.int64, device=dev)
-        mla_store(torch.zeros(tokens, lr, dtype=dtype, device=dev), torch.zeros(tokens, r, dtype=dtype, device=dev),
-                  kv_cache, slots, lay)
-        # The store's prefill shape (wide column chunks) too; every slot skipped, nothing written.
-        many = MLA_STORE_FEW_TOKENS + 1
-        mla_store(torch.zeros(many, lr, dtype=dtype, device=dev), torch.zeros(many, r, dtype=dtype, device=dev),
-                  kv_cache, torch.full((many,), -1, dtype=torch.int64, device=dev), lay)
-        block_table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        seq_lens = torch.full((1,), tokens, dtype=torch.int32, device=dev)
-        q = torch.zeros(1, num_heads, lr, dtype=dtype, device=dev)
-        q_pe = torch.zeros(1, num_heads, r, dtype=dtype, device=dev)
-        # One decode kernel; the split merge compiles once per power-of-two split count.
-        launches = 0
-        splits = 1
-        while splits <= MLA_MAX_SPLITS:
-            mla_decode_attention(q, q_pe, kv_cache, lay, block_table, seq_lens, scale, num_splits=splits,
-                                 rotated=rotated)
-            launches += 1
-            splits *= 2
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
-        to_seq = torch.zeros(tokens, dtype=torch.int32, device=dev)
-        dst = torch.empty(tokens, lr + r, dtype=dtype, device=dev)
-        starts = torch.zeros(1, dtype=torch.int32, device=dev)
-        mla_gather_dequant(kv_cache, lay, dst, block_table, cu, to_seq, tokens, seq_starts=starts)
-        return launches + 3 + warmup_context_mask(num_heads, dev)
+        """Compile our kernels (``ops.mla.mla_warmup_kernels``: store, decode, split merge, context gather) and
+        vLLM's context mask of the chunked-context prefill (``warmup_context_mask``) before serving; writes only the
+        null block 0 (vLLM never hands it to a request). Returns the launches."""
+        return (mla_warmup_kernels(kv_cache, self.layout, dtype, num_heads, scale, rotated)
+                + warmup_context_mask(num_heads, kv_cache.device))
 
 
 # (prefill tokens, prefill requests) of the context-mask warm-up: Triton specializes the token count (the LSE's head
