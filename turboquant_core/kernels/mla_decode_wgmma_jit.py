@@ -80,8 +80,7 @@ def tq_mla_decode_wgmma_kernel(
     loaded, the base-2 softmax scale, then fp16); c0..c7: the codebook's byte-permute words
     (``ops.paged_decode.codebook_permute_words``). Writes PART_O[split, request, head, :DP] (the split's normalized
     output, in the same order) and PART_L[split, request, head] (its log2-sum-exp; -inf for a split with no token)."""
-    WG: gl.constexpr = gl.num_warps() // 4  # warpgroups: 1, or 2 splitting the heads and the lookup's tokens
-    gl.static_assert(gl.num_warps() == 4 * WG and (WG == 1 or WG == 2), "one or two warpgroups")
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(STAGES >= 2, "a tile's copies are issued a tile or more ahead")
     gl.static_assert(PAGE % 16 == 0, "each 16 tokens of a tile lie in one page")
     BT: gl.constexpr = 64  # tokens per tile: the MMA's rows
@@ -91,24 +90,22 @@ def tq_mla_decode_wgmma_kernel(
     NW: gl.constexpr = G // 4  # plane words (4 groups each) per token
     gl.static_assert(NW == 16, "the word layout covers 16 words (64 groups) per token")
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                  instr_shape=[16, NQ // WG, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
     sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    # [TL tok, 16 words] of a plane (TL = 16 per warpgroup): lanes 0-7 take 8 tokens, so that their 16-byte stores
-    # of one group's values land in 8 different bank groups of the swizzled tile; the staged planes are swizzled to
-    # keep these loads free of bank conflicts too
-    TL: gl.constexpr = 16 * WG
+    # [16 tok, 16 words] of a plane: lanes 0-7 take 8 tokens, so that their 16-byte stores of one group's values land
+    # in 8 different bank groups of the swizzled tile; the staged planes are swizzled to keep these loads free of
+    # bank conflicts too
     w_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]],
-        warp_bases=[[0, 4], [0, 8]] + ([[16, 0]] if WG == 2 else []), block_bases=[], shape=[TL, 16])
-    r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4 * WG, 1], [1, 0])  # [64, 16] plane word copies
+        reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], warp_bases=[[0, 4], [0, 8]],
+        block_bases=[], shape=[16, 16])
+    r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe copies
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] plane word copies
     sc_l: gl.constexpr = gl.DistributedLinearLayout(  # [4 x 16 tokens] scale copies, 16 bytes per lane
         reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [1, 0], [2, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]] + ([[0, 0]] if WG == 2 else []), block_bases=[], shape=[4, 16])
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
 
     req = gl.program_id(0)
     h0 = gl.program_id(1) * NQ
@@ -161,18 +158,18 @@ def tq_mla_decode_wgmma_kernel(
         gl.thread_barrier()  # ... of every thread; and the previous tile's products have read its shared tiles
         _stage_tile(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_w, stg_pe, stg_sc,
                     (s + STAGES - 1) % STAGES, wr, wc, pr, rc, sr, sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
-        for i in gl.static_range(BT // TL):
-            p0 = stg_w.index(s * B).slice(TL * i, TL).load(w_l).to(gl.uint32, bitcast=True)
-            p1 = stg_w.index(s * B + 1).slice(TL * i, TL).load(w_l).to(gl.uint32, bitcast=True)
+        for i in gl.static_range(4):
+            p0 = stg_w.index(s * B).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
+            p1 = stg_w.index(s * B + 1).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
             p2 = p0
             p3 = p0
             if B >= 3:
-                p2 = stg_w.index(s * B + 2).slice(TL * i, TL).load(w_l).to(gl.uint32, bitcast=True)
+                p2 = stg_w.index(s * B + 2).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
             if B == 4:
-                p3 = stg_w.index(s * B + 3).slice(TL * i, TL).load(w_l).to(gl.uint32, bitcast=True)
+                p3 = stg_w.index(s * B + 3).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
             f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
-            # [TL tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
-            c_smem.slice(TL * i, TL).store(gl.reshape(f, [TL, DP]))
+            # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
+            c_smem.slice(16 * i, 16).store(gl.reshape(f, [16, DP]))
         tvalid = (start + ts) < hi
         sc = stg_sc.index(s)._reinterpret(gl.float16, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(tok_l)
         scf = gl.where(tvalid, sc.to(gl.float32), 0.0)

@@ -174,7 +174,6 @@ def mla_wgmma_order(dp: int) -> torch.Tensor:
 MLA_DECODE_KERNELS = ("wgmma", "mma", "triton")
 MLA_WGMMA_DECODE = True  # the warpgroup-MMA kernel where it applies (False: the register-tile kernel there)
 MLA_WGMMA_STAGES = 3  # tiles in shared memory: the one computed and the copies in flight ahead of it
-MLA_WGMMA_WARPS = 8  # two warpgroups: each scores and accumulates 8 of the 16 heads and looks up half the tokens
 
 
 def mla_wgmma_applies(layout: MLAPagedLayout, device) -> bool:
@@ -363,8 +362,7 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
             *_permute_words(layout, str(dev)),
             part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
             h, num_splits, qk_scale, qk_scale, DP=lp, PAGE=lc["PAGE"], B=int(layout.fmt.latent.kernel_bits),
-            IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], STAGES=MLA_WGMMA_STAGES,
-            num_warps=MLA_WGMMA_WARPS,
+            IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], STAGES=MLA_WGMMA_STAGES, num_warps=4,
         )
     elif kernel == "mma":
         tq_mla_decode_mma_kernel[(b, triton.cdiv(h, 16), num_splits)](
