@@ -16,9 +16,11 @@ over the time; the copy bandwidth is a 1 GiB device-to-device copy, read + write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +35,6 @@ from turboquant_core.ops.mla import (  # noqa: E402
     mla_decode_attention,
     mla_decode_kernel,
     mla_decode_splits,
-    mla_mma_applies,
     mla_store,
 )
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout  # noqa: E402
@@ -78,80 +79,91 @@ def copy_gbps(device: str) -> float:
     return 2 * x.numel() / (ms * 1e-3) / 1e9
 
 
-def parse_launch(text: str) -> MLADecodeLaunch | tuple[int, int] | str | None:
-    """``auto``: the kernel ``mla_decode_attention`` picks (None); ``wgmma[:STAGES]``: the warpgroup-MMA kernel (sm_90;
-    with STAGES tiles in shared memory);
-    ``mma:WARPS:DEPTH[:MAXNREG]``: the register-tile
-    kernel with WARPS warps loading DEPTH tiles ahead (and at most MAXNREG registers per thread); HEADS,TOKENS,WARPS,
-    STAGES: the Triton kernel."""
-    if text == "auto":
-        return None
-    if text == "wgmma" or text.startswith("wgmma:"):
-        return text
-    if text.startswith("mma:"):
-        parts = [int(x) for x in text[4:].split(":")]
-        if len(parts) not in (2, 3):
-            raise SystemExit(f"bad launch {text!r}: expected mma:WARPS:DEPTH or mma:WARPS:DEPTH:MAXNREG")
-        return (*parts, None)[:3]
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One decode launch to time: ``kernel`` (one of ``MLA_DECODE_KERNELS``; None: the kernel the vLLM backend runs)
+    with ``settings``, the ``ops.mla`` constants it runs with, or ``triton``, the Triton kernel's launch shape."""
+
+    kernel: str | None = None
+    settings: tuple[tuple[str, int | None], ...] = ()
+    triton: MLADecodeLaunch | None = None
+
+
+def parse_launch(text: str) -> LaunchSpec:
+    """``auto``: the kernel ``mla_decode_attention`` picks; ``wgmma[:STAGES]``: the warpgroup-MMA kernel (sm_90; with
+    STAGES tiles in shared memory); ``mma:WARPS:DEPTH[:MAXNREG]``: the register-tile kernel with WARPS warps loading
+    DEPTH tiles ahead (and at most MAXNREG registers per thread); HEADS,TOKENS,WARPS,STAGES: the Triton kernel."""
+    kind, _, rest = text.partition(":")
     try:
-        h, t, w, st = (int(x) for x in text.split(","))
-        return MLADecodeLaunch(h, t, w, st)
-    except ValueError:
-        raise SystemExit(f"bad launch {text!r}: expected auto or HEADS,TOKENS,WARPS,STAGES, e.g. 16,32,4,1") from None
+        values = [int(x) for x in rest.split(":")] if rest else []
+        if text == "auto":
+            return LaunchSpec()
+        if kind == "wgmma" and len(values) <= 1:
+            return LaunchSpec("wgmma", tuple(zip(("MLA_WGMMA_STAGES",), values)))
+        if kind == "mma" and len(values) in (2, 3):
+            return LaunchSpec("mma", tuple(zip(("MLA_MMA_WARPS", "MLA_MMA_DEPTH", "MLA_MMA_MAXNREG"),
+                                               (*values, None)[:3])))
+        shape = text.split(",")
+        if not rest and len(shape) == 4:
+            return LaunchSpec("triton", triton=MLADecodeLaunch(*(int(x) for x in shape)))
+    except (ValueError, TypeError):
+        pass
+    raise SystemExit(f"bad launch {text!r}: expected auto, wgmma[:STAGES], mma:WARPS:DEPTH[:MAXNREG] or "
+                     "HEADS,TOKENS,WARPS,STAGES (e.g. 16,32,4,1)")
 
 
-def _kernel_name(layout, device: str, launch: MLADecodeLaunch | str | None) -> str:
-    if isinstance(launch, str) and launch.startswith("wgmma") or launch is None and mla_decode_kernel(
-            layout, device) == "wgmma":
-        stages = launch.partition(":")[2] if isinstance(launch, str) else ""
-        return f"warpgroup MMA, {stages or mla_ops.MLA_WGMMA_STAGES} stages"
-    if launch in (None, "mma") and mla_mma_applies(layout, device):
+@contextlib.contextmanager
+def applied(spec: LaunchSpec):
+    """``spec``'s settings on ``ops.mla`` for the duration, the shipped values back afterwards."""
+    shipped = {name: getattr(mla_ops, name) for name, _ in spec.settings}
+    try:
+        for name, value in spec.settings:
+            setattr(mla_ops, name, value)
+        yield
+    finally:
+        for name, value in shipped.items():
+            setattr(mla_ops, name, value)
+
+
+def kernel_name(layout, device: str, spec: LaunchSpec) -> str:
+    """What ``spec`` runs, under its settings (call inside ``applied(spec)``)."""
+    kernel = spec.kernel or mla_decode_kernel(layout, device)
+    if kernel == "wgmma":
+        return f"warpgroup MMA, {mla_ops.MLA_WGMMA_STAGES} stages"
+    if kernel == "mma":
         cap = f", at most {mla_ops.MLA_MMA_MAXNREG} registers" if mla_ops.MLA_MMA_MAXNREG else ""
         return f"register-tile {mla_ops.MLA_MMA_WARPS} warps, {mla_ops.MLA_MMA_DEPTH} ahead{cap}"
-    la = launch or MLA_DECODE_LAUNCH
+    la = spec.triton or MLA_DECODE_LAUNCH
     return f"triton {la.heads},{la.tokens},{la.warps},{la.stages}"
 
 
 def run_case(fmt: str, batch: int, context: int, splits: list[int], heads: int, device: str,
-             copy: float, launches: list[MLADecodeLaunch | None]) -> list[dict]:
+             copy: float, launches: list[LaunchSpec]) -> list[dict]:
     b = build(fmt, batch, context, heads, device)
     lay, cache, bt, sl, q, q_pe = b["layout"], b["cache"], b["block_table"], b["seq_lens"], b["q"], b["q_pe"]
     scale = (128 + R) ** -0.5
-    heuristic = {k: mla_decode_splits(batch, heads, context, torch.device(device), k) for k in ("wgmma", "mma")}
     page_bytes = batch * context * lay.fmt.bytes_per_token()
     kv_c = torch.nn.functional.rms_norm(torch.randn(batch, LR, device=device), (LR,)).to(torch.bfloat16)
     k_pe = torch.randn(batch, R, device=device).to(torch.bfloat16)
     slots = (bt[:, -1].long() * PAGE + PAGE - 1).contiguous()  # one token per request, as a decode step stores
     store_ms = time_ms(lambda: mla_store(kv_c, k_pe, cache, slots, lay), graph=True)
     rows = []
-    shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG
-    shipped_stages = mla_ops.MLA_WGMMA_STAGES
-    def kernel_of(launch) -> str:
-        if isinstance(launch, str) or launch is None and mla_decode_kernel(lay, device) == "wgmma":
-            return "wgmma"
-        return "mma"
-
-    for s, launch in [(s, la) for la in launches for s in sorted(set(splits) | {heuristic[kernel_of(la)]})]:
-        own = heuristic[kernel_of(launch)]
-        mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG = (
-            launch if isinstance(launch, tuple) else shipped)
-        wgmma = isinstance(launch, str)
-        mla_ops.MLA_WGMMA_STAGES = int(launch.partition(":")[2] or shipped_stages) if wgmma else shipped_stages
-        kernel = "wgmma" if wgmma else "mma" if isinstance(launch, tuple) else None
-        name = _kernel_name(lay, device, launch if wgmma else kernel or launch)
-        if isinstance(launch, (tuple, str)):
-            launch = None
-        ms = time_ms(lambda s=s, la=launch, k=kernel: mla_decode_attention(
-            q, q_pe, cache, lay, bt, sl, scale, num_splits=s, rotated=True, launch=la, kernel=k), graph=True)
-        gbps = page_bytes / (ms * 1e-3) / 1e9
-        row = dict(format=fmt, heads=heads, batch=batch, context=context, splits=s, heuristic=s == own,
-                   kernel=name,
-                   programs=batch * -(-heads // (launch.heads if launch else 16)) * s, attention_us=1e3 * ms,
-                   page_bytes=page_bytes,
-                   gb_per_s=gbps, copy_share=gbps / copy, store_us=1e3 * store_ms)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    mla_ops.MLA_WGMMA_STAGES = shipped_stages
+    for spec in launches:
+        kernel = spec.kernel or mla_decode_kernel(lay, device)
+        own = mla_decode_splits(batch, heads, context, torch.device(device), kernel)
+        tile_heads = spec.triton.heads if spec.triton else 16
+        for s in sorted(set(splits) | {own}):
+            with applied(spec):
+                name = kernel_name(lay, device, spec)
+                ms = time_ms(lambda s=s, spec=spec: mla_decode_attention(
+                    q, q_pe, cache, lay, bt, sl, scale, num_splits=s, rotated=True, launch=spec.triton,
+                    kernel=spec.kernel), graph=True)
+            gbps = page_bytes / (ms * 1e-3) / 1e9
+            row = dict(format=fmt, heads=heads, batch=batch, context=context, splits=s, heuristic=s == own,
+                       kernel=name, programs=batch * -(-heads // tile_heads) * s, attention_us=1e3 * ms,
+                       page_bytes=page_bytes, gb_per_s=gbps, copy_share=gbps / copy, store_us=1e3 * store_ms)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -161,8 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["turboquant_k3v4_nc", "turboquant_4bit_nc"])
     ap.add_argument("--heads", nargs="+", type=int, default=[16], help="query heads (DeepSeek-V2-Lite 16, V3 128)")
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT:SPLITS,SPLITS,...")
-    ap.add_argument("--launch", nargs="+", type=parse_launch, default=[None],
-                    help="auto (the kernel the vLLM backend runs), wgmma (the warpgroup-MMA kernel), "
+    ap.add_argument("--launch", nargs="+", type=parse_launch, default=[LaunchSpec()],
+                    help="auto (the kernel the vLLM backend runs), wgmma[:STAGES] (the warpgroup-MMA kernel), "
                     "mma:WARPS:DEPTH[:MAXNREG] (the register-tile kernel) or Triton launch shapes "
                     "HEADS,TOKENS,WARPS,STAGES")
     args = ap.parse_args(argv)

@@ -20,12 +20,36 @@ def test_cases_parse_and_bad_ones_are_refused_with_the_expected_form():
 def test_launches_parse_and_bad_ones_are_refused_with_the_expected_form():
     from turboquant_core.ops.mla import MLADecodeLaunch
 
-    assert bench_mla_decode.parse_launch("auto") is None
-    assert bench_mla_decode.parse_launch("mma:4:2") == (4, 2, None)
-    assert bench_mla_decode.parse_launch("mma:4:2:168") == (4, 2, 168)
-    assert bench_mla_decode.parse_launch("16,32,4,1") == MLADecodeLaunch(16, 32, 4, 1)
-    with pytest.raises(SystemExit, match="expected auto"):
-        bench_mla_decode.parse_launch("16,32")
+    spec = bench_mla_decode.LaunchSpec
+    assert bench_mla_decode.parse_launch("auto") == spec()
+    assert bench_mla_decode.parse_launch("wgmma") == spec("wgmma")
+    assert bench_mla_decode.parse_launch("wgmma:2") == spec("wgmma", (("MLA_WGMMA_STAGES", 2),))
+    assert bench_mla_decode.parse_launch("mma:4:2") == spec("mma", (("MLA_MMA_WARPS", 4), ("MLA_MMA_DEPTH", 2),
+                                                                    ("MLA_MMA_MAXNREG", None)))
+    assert bench_mla_decode.parse_launch("mma:4:2:168").settings[2] == ("MLA_MMA_MAXNREG", 168)
+    assert bench_mla_decode.parse_launch("16,32,4,1") == spec("triton", triton=MLADecodeLaunch(16, 32, 4, 1))
+    for bad in ("16,32", "mma:4", "wgmma:2:8", "wgmma:x", "flash"):
+        with pytest.raises(SystemExit, match="expected auto, wgmma"):
+            bench_mla_decode.parse_launch(bad)
+
+
+def test_a_launch_spec_applies_its_settings_for_the_timing_only():
+    from turboquant_core.ops import mla as mla_ops
+    from turboquant_core.ops.mla_layout import mla_paged_layout
+
+    lay = mla_paged_layout("turboquant_k3v4_nc", 16)
+    shipped = mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_WGMMA_STAGES
+    spec = bench_mla_decode.parse_launch("mma:8:3:168")
+    with bench_mla_decode.applied(spec):
+        assert (mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_MMA_MAXNREG) == (8, 3, 168)
+        assert bench_mla_decode.kernel_name(lay, "cpu", spec) == "register-tile 8 warps, 3 ahead, at most 168 registers"
+    with bench_mla_decode.applied(bench_mla_decode.parse_launch("wgmma:2")):
+        assert bench_mla_decode.kernel_name(lay, "cpu", bench_mla_decode.parse_launch("wgmma:2")) == (
+            "warpgroup MMA, 2 stages")
+    assert (mla_ops.MLA_MMA_WARPS, mla_ops.MLA_MMA_DEPTH, mla_ops.MLA_WGMMA_STAGES) == shipped
+    assert mla_ops.MLA_MMA_MAXNREG is None
+    # auto on the CPU: the Triton kernel, at its shipped launch shape
+    assert bench_mla_decode.kernel_name(lay, "cpu", bench_mla_decode.LaunchSpec()) == "triton 16,32,4,1"
 
 
 def test_the_timed_batch_is_a_real_one():
