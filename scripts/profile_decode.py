@@ -73,7 +73,8 @@ is not in these times) with the tokens and requests it scheduled. The report sum
 It answers where a whole run's time goes when a steady decode step alone does not explain its throughput. With
 --profile-prefill the profiler runs from the first step to the first pure-decode step, and the report adds the GPU
 time of the prefill steps by kernel family (the events their launches correlate to) and their top kernels: where the
-time to first token goes.
+time to first token goes. --host-profile runs cProfile over the same steps (host-<config>-<scenario>.txt): where the
+host spends a step whose wall time the GPU's busy time does not explain.
 
 Output in --out: profile.json (device, date, command, per config and scenario: running sequences, mean context,
 step ms, per family ms / share / ms per 100 sequences / limit, kernels per step, top 15 kernels), profile.md (per
@@ -836,7 +837,7 @@ def write_host_profile(host, args, label: str, top: int = 60) -> str | None:
 
 def prefill_profile(prof, steps: list[dict]) -> dict:
     """GPU time of a timeline's prefill steps (those with a prefill token, marked ``STEP_MARK<i>``) from a stopped
-    profiler: ``aggregate`` over them, as totals (ms over all of them), with their count and wall seconds."""
+    profiler: ``aggregate`` over them, as totals (ms over all of them), with their count and wall time (ms)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -1034,7 +1035,7 @@ def main(argv=None) -> int:
                     help="run torch.profiler._utils._init_for_cuda_graphs() before the engine captures its graphs")
     ap.add_argument("--timeline", action="store_true",
                     help="time every engine step of each scenario from start to finish instead of a decode window "
-                         "(no profiler)")
+                         "(no profiler unless --profile-prefill or --host-profile)")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="with --timeline: GPU time of the prefill steps by kernel family and the top kernels "
                          "(torch.profiler from the first step to the first pure-decode step; the step times are "
