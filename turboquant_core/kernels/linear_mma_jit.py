@@ -55,28 +55,18 @@ def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
-                         stride_xq, stride_xs, stride_y, CB,
+                         stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SPLIT: gl.constexpr, WORDS: gl.constexpr):
-    """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8 [out,
-    groups, 16 * BITS] (planar8 per group), or with WORDS (4-bit) the kernel words int32 [out, groups, 16]
-    (``ops.weight_codec``: each thread's four words one 16-byte load, no plane merge); S fp16 [out, groups]; CB
-    int32 [8] the codebook's words (``ops.linear.codebook_words_operand``); Y [num_rows, out]. Program (o, b, k):
-    output rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b..,
-    groups k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits,
-    num_rows, out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
+    """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
+    [out, groups, 16 * BITS] (planar8 per group), or with WORDS (4-bit) the kernel words int32 [out, groups, 16]
+    (``ops.weight_codec``: each thread's four words one 16-byte load, no plane merge); S fp16 [out, groups];
+    c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
+    rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
+    k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
+    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
-    # The codebook's words as loaded values: per-thread registers for the whole loop. (As kernel arguments they sat in
-    # uniform registers, and every byte permute that read one copied it out first.)
-    c0 = gl.load(CB)
-    c1 = gl.load(CB + 1)
-    c2 = gl.load(CB + 2)
-    c3 = gl.load(CB + 3)
-    c4 = gl.load(CB + 4)
-    c5 = gl.load(CB + 5)
-    c6 = gl.load(CB + 6)
-    c7 = gl.load(CB + 7)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)

@@ -142,15 +142,6 @@ def _codebook_words(fmt_name: str) -> tuple[int, ...]:
     return codebook_magnitude_words(cb) + (0, 0, 0, 0) if cb.numel() == 16 else codebook_permute_words(cb)
 
 
-@functools.lru_cache(maxsize=16)
-def codebook_words_operand(fmt_name: str, device: str) -> torch.Tensor:
-    """``_codebook_words`` as an int32 tensor [8] on ``device``, which the register-tile kernel loads once per program
-    (as eight kernel arguments the words sat in uniform registers, copied out before every byte permute that read
-    them). Made once per device, so later calls (CUDA-graph capture included) copy nothing from the host."""
-    words = torch.tensor(_codebook_words(fmt_name), dtype=torch.int64)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).to(device)
-
-
 def _gluon_runs(device: str) -> bool:
     from .paged_decode import _gluon_runs as runs
 
@@ -187,8 +178,8 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
         part = counters = y  # not read
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
-        per_split, xq.stride(0), xs.stride(0), y.stride(0), codebook_words_operand(fmt.name, dev), BITS=fmt.bits,
-        BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
+        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
     return y
 
 
