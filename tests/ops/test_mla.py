@@ -17,6 +17,7 @@ from turboquant_core.ops.codec import encode, unpack_segments
 from turboquant_core.ops.mla import (
     mla_absorbed_weights,
     mla_decode_attention,
+    mla_decode_query_rows,
     mla_decode_rotation,
     mla_decode_splits,
     mla_gather_dequant,
@@ -589,6 +590,37 @@ def test_each_decode_kernel_matches_reference_over_many_tiles(name, kernel):
         assert rel.max() < 1e-2, (heads, splits, float(rel.max()))
         torch.testing.assert_close(lse[live], ref_lse[live], rtol=0, atol=1e-2)
         assert torch.isinf(lse[~live]).all() and (lse[~live] < 0).all()
+
+
+def test_requests_with_several_query_tokens_decode_as_causal_rows(device):
+    """Decode requests of 1, 3 and 4 query tokens (a decode, a chunked prompt's last tokens, draft verification) as
+    one row per token: each token attends to its request's tokens up to its own position, as a one-token request of
+    that length would."""
+    seq = [37, 5, 70]
+    q_lens = [1, 3, 4]
+    lay, cache, bt, seq_lens, _, _, ql, q_pe = _paged_requests("turboquant_k3v4_nc", seq, heads=16, seed=15,
+                                                               device=device)
+    qsl = torch.tensor([0, 1, 4, 8], dtype=torch.int32)
+    rows_bt, rows_seq = mla_decode_query_rows(bt, seq_lens.to(device), qsl.to(device), 8)
+    assert rows_seq.dtype == torch.int32 and rows_seq.tolist() == [37, 3, 4, 5, 67, 68, 69, 70]
+    assert torch.equal(rows_bt.cpu(), bt.cpu()[[0, 1, 1, 1, 2, 2, 2, 2]])
+    g = torch.Generator().manual_seed(16)
+    ql = torch.randn(8, 16, L, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(8, 16, R, generator=g).to(torch.bfloat16)
+    out, lse = mla_decode_attention(ql.to(device), q_pe.to(device), cache, lay, rows_bt, rows_seq, SOFTMAX_SCALE,
+                                    num_splits=2)
+    token = 0
+    for r, q in enumerate(q_lens):
+        for j in range(q):
+            n = torch.tensor([seq[r] - q + j + 1], dtype=torch.int32)
+            want, want_lse = mla_decode_attention_ref(ql[token: token + 1].float(), q_pe[token: token + 1].float(),
+                                                      cache.cpu(), lay, bt.cpu()[r: r + 1], n, SOFTMAX_SCALE)
+            got = out[token].float().cpu()
+            assert ((got - want[0]).norm(dim=-1) / want[0].norm(dim=-1)).max() < 1e-2, (r, j)
+            torch.testing.assert_close(lse[token].cpu(), want_lse[0], rtol=0, atol=1e-2)
+            token += 1
+    with pytest.raises(ValueError, match="query_start_loc must have 4 entries"):
+        mla_decode_query_rows(bt, seq_lens, qsl[:3], 8)
 
 
 def test_decode_attention_split_count_changes_little(device):

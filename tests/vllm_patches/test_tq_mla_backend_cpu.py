@@ -357,3 +357,59 @@ def test_decode_step_through_vllm_mla_layer_is_mla_attention_on_the_stored_laten
         want = torch.einsum("ht,htv->hv", torch.softmax(s, -1), v).reshape(-1)
         rel = (out[r].double() - want).norm() / want.norm()
         assert rel < 1e-2, (r, float(rel))
+
+
+def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, monkeypatch):
+    """A decode batch whose requests have 1, 3 and 2 query tokens (vLLM sends requests of up to the builder's
+    reorder_batch_threshold query tokens as decodes): the builder makes one row per token, and each token's output
+    through MLAAttention.forward_impl is MLA attention, in float64, over its request's stored latents up to its own
+    position."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, QueryLenSupport
+
+    from turboquant_core.ops.mla import MLA_DECODE_MAX_QUERY_LEN
+
+    assert tqm.TQMLAMetadataBuilder.query_len_support is QueryLenSupport.VARLEN
+    assert tqm.TQMLAMetadataBuilder.reorder_batch_threshold == MLA_DECODE_MAX_QUERY_LEN
+    layer = _mla_layer(tqm, monkeypatch)
+    impl = layer.impl
+    seq_lens, q_lens = [37, 5, 20], [1, 3, 2]
+    cache, bt, _, _ = _requests(impl, seq_lens, seed=24)
+    lay = impl.layout_for(cache)
+    b, t = len(seq_lens), sum(q_lens)
+    qsl = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    builder = object.__new__(tqm.TQMLAMetadataBuilder)  # the attributes _build_decode reads
+    builder._decode_max_seq_len, builder.num_heads, builder.device, builder.layout = None, HEADS, sl.device, lay
+    decode = builder._build_decode(block_table_tensor=bt, seq_lens_device=sl, max_seq_len=max(seq_lens),
+                                   query_start_loc_cpu=qsl, query_start_loc_device=qsl, num_decode_tokens=t,
+                                   dcp_tot_seq_lens_device=None)
+    assert decode.seq_lens.tolist() == [37, 3, 4, 5, 19, 20] and decode.block_table.shape[0] == t
+    # a batch of one token per request keeps vLLM's tensors (the persistent buffers CUDA graphs replay)
+    one = builder._build_decode(block_table_tensor=bt, seq_lens_device=sl, max_seq_len=max(seq_lens),
+                                query_start_loc_cpu=torch.arange(b + 1, dtype=torch.int32),
+                                query_start_loc_device=torch.arange(b + 1, dtype=torch.int32), num_decode_tokens=b,
+                                dcp_tot_seq_lens_device=None)
+    assert one.block_table is bt and one.seq_lens is sl
+    g = torch.Generator().manual_seed(25)
+    q = torch.randn(t, HEADS, NOPE + R, generator=g)
+    md = MLACommonMetadata(num_reqs=b, max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_actual_tokens=t,
+                           query_start_loc=qsl, slot_mapping=torch.full((t,), -1, dtype=torch.int64), num_decodes=b,
+                           num_decode_tokens=t, num_prefills=0, decode=decode)
+    out = torch.full((t, HEADS * V), float("nan"))
+    layer.forward_impl(q, torch.zeros(t, LR), torch.zeros(t, 1, R), cache, md, output=out)
+    w = layer.kv_b_proj.weight.double().view(HEADS, NOPE + V, LR)
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    token = 0
+    for r, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        rows = mla_gather_dequant_ref(cache, lay, bt[r: r + 1], torch.tensor([0, n]), torch.zeros(n, dtype=torch.long),
+                                      n).double()
+        kv_c, k_pe = rows[:, :LR], rows[:, LR:]
+        k = torch.cat([torch.einsum("hpl,tl->htp", w_uk, kv_c), k_pe.expand(HEADS, -1, -1)], -1)
+        v = torch.einsum("hvl,tl->htv", w_uv, kv_c)
+        for j in range(ql):
+            seen = n - ql + j + 1
+            s = torch.einsum("hd,htd->ht", q[token].double(), k[:, :seen]) * impl.scale
+            want = torch.einsum("ht,htv->hv", torch.softmax(s, -1), v[:, :seen]).reshape(-1)
+            rel = (out[token].double() - want).norm() / want.norm()
+            assert rel < 1e-2, (r, j, float(rel))
+            token += 1

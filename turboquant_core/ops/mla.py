@@ -16,8 +16,9 @@
   weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the warpgroup-MMA kernel on sm_90
   (``mla_decode_wgmma_jit``, ``mla_wgmma_applies``) and the register-tile kernel on other GPUs
   (``mla_decode_mma_jit``, ``mla_mma_applies``), the others the Triton kernel (``mla_decode_jit``); each has its
-  coordinate order (``mla_decode_rotation``; ``mla_decode_kernel`` names the one that runs). Reference:
-  ``mla_reference.mla_decode_attention_ref``.
+  coordinate order (``mla_decode_rotation``; ``mla_decode_kernel`` names the one that runs). Requests with a few
+  query tokens (a chunked prompt's last ones, speculative verification) decode as one causal row per token
+  (``mla_decode_query_rows``). Reference: ``mla_reference.mla_decode_attention_ref``.
 - ``mla_absorbed_weights(layout, w_uk_t, w_uv)``: vLLM's absorbed MLA weights (W_UK_T, W_UV) with the latent's
   rotation folded in, so that decode attention needs no rotation product at all.
 """
@@ -253,6 +254,34 @@ def mla_decode_splits(num_reqs: int, num_heads: int, max_seq_len: int, device: t
     return next(s for s in range(1, most + 1) if fill(s) >= best * (1 - MLA_WAVE_FILL_SLACK))
 
 
+# Decode serves requests of up to this many query tokens (a chunked prompt's last few tokens, speculative
+# verification) as one row per token; longer ones take vLLM's prefill path with the context gathered. A row reads its
+# request's whole context, where the prefill path gathers it once for all of the request's tokens and pays a dozen
+# launches per layer for that: by the bytes and products each moves, the two cost about the same at 16 tokens over
+# a 32k context (DeepSeek-V2-Lite's heads).
+MLA_DECODE_MAX_QUERY_LEN = 16
+
+
+def mla_decode_query_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode requests with several query tokens as one decode row per token: token j of request r (query tokens
+    query_start_loc[r]..[r+1], seq_lens[r] tokens with them) attends causally, to the first seq_lens[r] - q_r + j + 1
+    tokens of its pages. -> (block_table [num_tokens, max_blocks], seq_lens [num_tokens] int32) for
+    ``mla_decode_attention``, whose out and lse rows are then the tokens'. ``num_tokens`` (a host int) is
+    query_start_loc[-1]; no host synchronization."""
+    reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != reqs + 1 or block_table.shape[0] < reqs:
+        raise ValueError(f"query_start_loc must have {reqs + 1} entries and block_table >= {reqs} rows, got "
+                         f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
+    dev = seq_lens.device
+    starts = query_start_loc.to(device=dev, dtype=torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    row_req = torch.repeat_interleave(torch.arange(reqs, device=dev), q_lens, output_size=num_tokens)
+    position = torch.arange(num_tokens, device=dev) - starts[row_req]
+    row_seq = seq_lens[row_req].to(torch.int64) - q_lens[row_req] + position + 1
+    return block_table[row_req], row_seq.to(torch.int32)
+
+
 def _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout: MLAPagedLayout) -> None:
     lr, r = layout.kv_lora_rank, layout.rope_dim
     if ql_nope.dim() != 3 or ql_nope.shape[-1] != lr or q_pe.shape != (*ql_nope.shape[:2], r):
@@ -468,6 +497,7 @@ def mla_warmup_kernels(cache: torch.Tensor, layout: MLAPagedLayout, dtype: torch
     return launches + 1
 
 
-__all__ = ["MLA_DECODE_KERNELS", "MLA_GATHER_ROWS", "MLADecodeLaunch", "mla_absorbed_weights", "mla_decode_attention",
-           "mla_decode_kernel", "mla_decode_rotation", "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies",
-           "mla_mma_order", "mla_store", "mla_warmup_kernels", "mla_wgmma_applies", "mla_wgmma_order"]
+__all__ = ["MLA_DECODE_KERNELS", "MLA_DECODE_MAX_QUERY_LEN", "MLA_GATHER_ROWS", "MLADecodeLaunch",
+           "mla_absorbed_weights", "mla_decode_attention", "mla_decode_kernel", "mla_decode_query_rows",
+           "mla_decode_rotation", "mla_decode_splits", "mla_gather_dequant", "mla_mma_applies", "mla_mma_order",
+           "mla_store", "mla_warmup_kernels", "mla_wgmma_applies", "mla_wgmma_order"]

@@ -10,7 +10,9 @@ prefill backend, chunked context) stay as they are; this backend replaces what t
   ``formats.MLAFormat``: the latent with the preset's key encoding, k_pe in bf16), sized by ``TQMLAAttentionSpec``;
 - the store (``do_kv_cache_update``, vLLM's ``concat_and_cache_mla`` contract): ``ops.mla.mla_store``;
 - decode (``forward_mqa``): ``ops.mla.mla_decode_attention``, attention straight from the compressed pages with the
-  absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read; the latent's
+  absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read; requests of up to
+  ``MLA_DECODE_MAX_QUERY_LEN`` query tokens decode too, one causal row per token (``mla_decode_query_rows``, made by
+  the metadata builder once per step); the latent's
   rotation is folded into the layer's absorbed weights W_UK_T and W_UV when vLLM makes them
   (``absorb_latent_basis``, called from ``MLAAttention.process_weights_after_loading``), so no rotation runs per step;
 - the prefill context (``_gather_context_chunk``, vLLM's ``gather_and_maybe_dequant_cache`` contract):
@@ -35,6 +37,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
+    QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.ops.triton_merge_attn_states import mask_empty_context
@@ -43,9 +46,11 @@ from vllm.v1.kv_cache_interface import KVQuantMode
 from ..config import TQConfig
 from ..formats import mla_format
 from ..ops.mla import (
+    MLA_DECODE_MAX_QUERY_LEN,
     mla_absorbed_weights,
     mla_decode_attention,
     mla_decode_kernel,
+    mla_decode_query_rows,
     mla_decode_splits,
     mla_gather_dequant,
     mla_store,
@@ -153,8 +158,12 @@ class TQMLADecodeMetadata(MLACommonDecodeMetadata):
 class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     # Pure single-token decode batches replay as full CUDA graphs (the decode launch
     # reads only persistent metadata buffers and makes no host sync); batches with
-    # prefills run piecewise, as with vLLM's other MLA backends.
+    # prefills or several query tokens per decode run piecewise, as with vLLM's other MLA backends.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Requests of up to MLA_DECODE_MAX_QUERY_LEN query tokens (a chunked prompt's last ones beside decodes, draft
+    # verification) decode from the pages, one row per token, instead of gathering their context for vLLM's prefill.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+    reorder_batch_threshold: int = MLA_DECODE_MAX_QUERY_LEN
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -194,11 +203,21 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         dcp_tot_seq_lens_device: torch.Tensor | None,
     ) -> TQMLADecodeMetadata:
         longest = max_seq_len if self._decode_max_seq_len is None else self._decode_max_seq_len
+        rows = seq_lens_device.shape[0]
+        if num_decode_tokens != rows:
+            # Requests with several query tokens: one causal row per token, made here once for all layers. New
+            # tensors each step: never inside a captured graph (vLLM captures full graphs of one-token decodes only
+            # for this backend's UNIFORM_SINGLE_TOKEN_DECODE).
+            if self._decode_max_seq_len is not None:
+                raise RuntimeError("TurboQuant MLA: a CUDA-graph capture of decodes with several query tokens")
+            block_table_tensor, seq_lens_device = mla_decode_query_rows(
+                block_table_tensor, seq_lens_device, query_start_loc_device, num_decode_tokens)
+            rows = num_decode_tokens
         return TQMLADecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            num_splits=mla_decode_splits(block_table_tensor.shape[0], self.num_heads, longest, self.device,
+            num_splits=mla_decode_splits(rows, self.num_heads, longest, self.device,
                                          mla_decode_kernel(self.layout, self.device)),
         )
 
