@@ -10,11 +10,11 @@
   an MLA layer); the latent's codebook values gathered still rotated, then rotated back by one product. Reference:
   ``mla_reference.mla_gather_dequant_ref``.
 - ``mla_decode_attention(ql_nope, q_pe, cache, layout, block_table, seq_lens, softmax_scale)``: decode attention
-  with the absorbed query (vLLM's ``forward_mqa``: one query token per request), split-KV, every head of a block
-  reading each page tile once, in the rotated domain: the queries are rotated once per head before the split
-  kernel and the merged output rotated back once per head after it; with ``rotated=True`` the caller's absorbed
-  weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the warpgroup-MMA kernel on sm_90
-  (``mla_decode_wgmma_jit``, ``mla_wgmma_applies``) and the register-tile kernel on other GPUs
+  with the absorbed query (vLLM's ``forward_mqa``: one query row per request, or per query token), split-KV, every
+  head of a block reading each page tile once, in the rotated domain: the queries are rotated once per head before
+  the split kernel and the merged output rotated back once per head after it; with ``rotated=True`` the caller's
+  absorbed weights do both (``mla_absorbed_weights``). One-segment 2- to 4-bit latents run the warpgroup-MMA kernel
+  on sm_90 (``mla_decode_wgmma_jit``, ``mla_wgmma_applies``) and the register-tile kernel on other GPUs
   (``mla_decode_mma_jit``, ``mla_mma_applies``), the others the Triton kernel (``mla_decode_jit``); each has its
   coordinate order (``mla_decode_rotation``; ``mla_decode_kernel`` names the one that runs). Requests with a few
   query tokens (a chunked prompt's last ones, speculative verification) decode as one causal row per token
