@@ -25,7 +25,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .paged_decode_jit import MOVMATRIX_TRANS, _fields, _load_planes, _online_softmax_tile, _planes_to_words
+from .paged_decode_jit import (
+    MOVMATRIX_TRANS,
+    _fields,
+    _load_planes,
+    _online_softmax_tile,
+    _planes_to_words,
+    _split_range,
+)
 
 
 @gluon.constexpr_function
@@ -97,10 +104,7 @@ def tq_mla_decode_mma_kernel(
     h0 = gl.program_id(1) * NQ
     split = gl.program_id(2)
     kv_len = gl.load(SEQ_LENS + req)
-    per_split = (kv_len + num_splits - 1) // num_splits
-    chunk = (per_split + BN - 1) // BN * BN
-    lo = split * chunk
-    hi = gl.minimum(kv_len, lo + chunk)
+    lo, hi = _split_range(kv_len, split, num_splits, BN)
 
     # Q'^T [NW, DW, NQ] and Qpe^T [NW, 16, NQ] as B operands: warp w holds coordinates w*DW.. and rope w*16.. .
     bw = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_op)))[:, None, None]

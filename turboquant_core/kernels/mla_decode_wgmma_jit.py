@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
-from .paged_decode_jit import _lookup4, _planes_to_words
+from .paged_decode_jit import _lookup4, _planes_to_words, _split_range
 
 
 @gluon.jit
@@ -111,10 +111,7 @@ def tq_mla_decode_wgmma_kernel(
     h0 = gl.program_id(1) * NQ
     split = gl.program_id(2)
     kv_len = gl.load(SEQ_LENS + req)
-    per_split = (kv_len + num_splits - 1) // num_splits
-    chunk = (per_split + BT - 1) // BT * BT
-    lo = split * chunk
-    hi = gl.minimum(kv_len, lo + chunk)
+    lo, hi = _split_range(kv_len, split, num_splits, BT)
     last_blk = gl.maximum(kv_len - 1, 0) // PAGE
     bt_row = BLOCK_TABLE + req.to(gl.int64) * stride_bt
 

@@ -42,6 +42,16 @@ ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
 
 
 @gluon.jit
+def _split_range(kv_len, split, num_splits, TILE: gl.constexpr):
+    """Tokens [lo, hi) of KV split ``split`` of ``num_splits``: equal shares rounded up to whole tiles, so that only
+    the last split ends inside a tile (and later splits of a short context are empty)."""
+    per_split = (kv_len + num_splits - 1) // num_splits
+    chunk = (per_split + TILE - 1) // TILE * TILE
+    lo = split * chunk
+    return lo, gl.minimum(kv_len, lo + chunk)
+
+
+@gluon.jit
 def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``); 4-bit fields
     take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15
@@ -275,10 +285,7 @@ def tq_paged_decode_kernel(
     q_len = 1
     if QL > 1:
         q_len = gl.load(QUERY_START + req + 1) - tok32
-    per_split = (kv_len + num_splits - 1) // num_splits
-    chunk = (per_split + BN - 1) // BN * BN
-    lo = split * chunk
-    hi = gl.minimum(kv_len, lo + chunk)
+    lo, hi = _split_range(kv_len, split, num_splits, BN)
 
     # Q'^T [DP, NQ]: column c = i * GQ + h = query token tok + i, head kvh*GQ + h (c < GQ * q_len), zero otherwise.
     qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))

@@ -30,6 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from .paged_decode_jit import _split_range
+
 PRMT_LOOKUP_8 = gl.constexpr("prmt.b32 $0, $5, $9, $1;")  # pack 4: $1-$4 selector, $5-$8 / $9-$12 table regs
 PRMT_LOOKUP_8_SIGN = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $5, $9, $1; xor.b32 $0, t, $13; }")
 PRMT_6420 = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")  # even bytes of (a, b)
@@ -314,10 +316,7 @@ def tq_paged_decode_wgmma_kernel(
     split = gl.program_id(2)
     tok = gl.load(QUERY_START + req).to(gl.int64)  # the request's query token
     kv_len = gl.load(SEQ_LENS + req)
-    per_split = (kv_len + num_splits - 1) // num_splits
-    chunk = (per_split + 63) // 64 * 64
-    lo = split * chunk
-    hi = gl.minimum(kv_len, lo + chunk)
+    lo, hi = _split_range(kv_len, split, num_splits, 64)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
