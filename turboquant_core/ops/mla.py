@@ -384,25 +384,20 @@ def mla_decode_attention(ql_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     if kernel != "triton" and (u8.stride(0) % 4 or u8.data_ptr() % 4):
         raise ValueError(f"the MLA decode kernel loads 4-byte planes: the cache's block stride ({u8.stride(0)}) "
                          f"and address must be multiples of 4")
-    if kernel == "wgmma":
-        tq_mla_decode_wgmma_kernel[(b, triton.cdiv(h, 16), num_splits)](
-            q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-            u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
-            *_permute_words(layout, str(dev)),
-            part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-            h, num_splits, qk_scale, qk_scale, DP=lp, PAGE=lc["PAGE"], B=int(layout.fmt.latent.kernel_bits),
-            IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"], STAGES=MLA_WGMMA_STAGES, num_warps=4,
-        )
-    elif kernel == "mma":
-        tq_mla_decode_mma_kernel[(b, triton.cdiv(h, 16), num_splits)](
-            q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-            u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
-            *_permute_words(layout, str(dev)),
-            part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l, part_l.stride(0), part_l.stride(1),
-            h, num_splits, qk_scale, qk_scale, DP=lp, NW=MLA_MMA_WARPS, PAGE=lc["PAGE"],
-            B=int(layout.fmt.latent.kernel_bits), IDX_OFF=lc["IDX_OFF"], ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"],
-            DEPTH=MLA_MMA_DEPTH, num_warps=MLA_MMA_WARPS, **({"maxnreg": MLA_MMA_MAXNREG} if MLA_MMA_MAXNREG else {}),
-        )
+    if kernel in ("wgmma", "mma"):
+        grid = (b, triton.cdiv(h, 16), num_splits)
+        args = (q_rot, q_rot.stride(0), q_rot.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+                u8, f16, bf16, u8.stride(0), block_table, block_table.stride(0), seq_lens,
+                *_permute_words(layout, str(dev)), part_o, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                part_l, part_l.stride(0), part_l.stride(1), h, num_splits, qk_scale, qk_scale)
+        pages = dict(DP=lp, PAGE=lc["PAGE"], B=int(layout.fmt.latent.kernel_bits), IDX_OFF=lc["IDX_OFF"],
+                     ROPE_OFF=lc["ROPE_OFF"], SC_OFF=lc["SC_OFF"])
+        if kernel == "wgmma":
+            tq_mla_decode_wgmma_kernel[grid](*args, **pages, STAGES=MLA_WGMMA_STAGES, num_warps=4)
+        else:
+            tq_mla_decode_mma_kernel[grid](*args, **pages, NW=MLA_MMA_WARPS, DEPTH=MLA_MMA_DEPTH,
+                                           num_warps=MLA_MMA_WARPS,
+                                           **({"maxnreg": MLA_MMA_MAXNREG} if MLA_MMA_MAXNREG else {}))
     else:
         _launch_triton_decode(q_rot, q_pe, u8, f16, bf16, block_table, seq_lens, part_o, part_l, h, num_splits,
                               qk_scale, t, layout, launch or MLA_DECODE_LAUNCH)
