@@ -57,12 +57,12 @@ def test_no_kernel_compiles_while_serving(engine, kv_cache_dtype, quantization):
     assert not compiled, f"{len(compiled)} kernel(s) compiled while serving:\n" + "\n".join(c[:600] for c in compiled)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("kv_cache_dtype", ["turboquant_k3v4_nc", "turboquant_4bit_nc", "auto"])
 def test_no_kernel_compiles_while_serving_an_mla_model(engine, kv_cache_dtype):
-    """The DeepSeek-V2-Lite shape (MLA, TURBOQUANT_MLA) through the same phases: the eager prefill continues chunked
-    prompts beside new ones, the step that runs vLLM's context mask of its chunked-context prefill, which the MLA
-    warm-up compiles too. vLLM's own fused-MoE kernel is left out: it picks variants by the step's token count and
-    compiles them while serving with a bf16 cache as well."""
+    """The DeepSeek-V2-Lite shape (MLA: TURBOQUANT_MLA, or vLLM's own backend with a bf16 cache) through the same
+    phases: the eager prefill continues chunked prompts beside new ones, the step that runs vLLM's context mask of its
+    chunked-context prefill, which the warm-up compiles with any cache (patch 0007). vLLM's own fused-MoE kernel is
+    left out: it picks variants by the step's token count and compiles them while serving whatever the cache."""
     got = engine(model=str(CONFIGS / "deepseek-v2-lite"), dummy=True, kv_cache_dtype=kv_cache_dtype,
                  max_model_len=4096, max_num_batched_tokens=MAX_STEP_TOKENS, enforce_eager=False,
                  gpu_memory_utilization=0.6, engine_kwargs=dict(jit_monitor_verbose=True), phases=PHASES)

@@ -413,3 +413,30 @@ def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, mo
             rel = (out[token].double() - want).norm() / want.norm()
             assert rel < 1e-2, (r, j, float(rel))
             token += 1
+
+
+def test_mla_models_with_other_caches_warm_vllms_context_mask(tqm, monkeypatch):
+    """Patch 0007 calls ``warmup_mla_context_mask`` for MLA models whose cache is not a turboquant one: it launches
+    vLLM's context mask (every variant ``CONTEXT_MASK_SHAPES`` names) for the head count of the model's MLA layers,
+    and nothing for a model without them. (That the launches leave no variant to compile is the GPU test's:
+    ``test_jit_while_serving_gpu.py``, the MLA model with a bf16 cache.)"""
+    import types
+
+    from turboquant_core.vllm import warmup
+
+    seen = []
+
+    def mask(lse, output, query_start_loc, context_start_loc):  # vLLM's Triton is a placeholder without CUDA
+        seen.append((lse.shape[0], lse.shape[1], query_start_loc.numel() - 1))
+
+    monkeypatch.setattr(tqm, "mask_empty_context", mask)
+    layer = _mla_layer(tqm, monkeypatch)
+
+    def runner(ctx):
+        return types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context=ctx),
+                                     device=torch.device("cpu"))
+
+    assert warmup.warmup_mla_context_mask(runner({"model.layers.0.self_attn.attn": layer})) == 4
+    assert seen == [(HEADS, t, r) for t, r in tqm.CONTEXT_MASK_SHAPES]
+    seen.clear()
+    assert warmup.warmup_mla_context_mask(runner({"model.layers.0.mlp": torch.nn.Linear(2, 2)})) == 0 and not seen

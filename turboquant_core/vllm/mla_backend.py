@@ -247,9 +247,10 @@ CONTEXT_MASK_SHAPES = ((16, 2), (17, 2), (16, 16), (17, 16))
 
 def warmup_context_mask(num_heads: int, device: torch.device) -> int:
     """Compile vLLM's ``mask_empty_context`` kernel, which its MLA chunked-context prefill runs when a step continues a
-    chunked prompt beside new ones, for every ``CONTEXT_MASK_SHAPES`` variant; returns the launches. This backend
-    serves short extends as prefills (single-token decode only), so that step comes with the first batch of prompts
-    longer than a step's token budget, and the compile would hold it."""
+    chunked prompt beside new ones, for every ``CONTEXT_MASK_SHAPES`` variant; returns the launches. Such a step comes
+    with the first batch of prompts longer than a step's token budget (a continued prompt with more tokens left than
+    ``MLA_DECODE_MAX_QUERY_LEN`` is a prefill), and the compile would hold it. Patch 0007 runs it for MLA models with
+    any other cache too (``warmup.warmup_mla_context_mask``)."""
     for tokens, reqs in CONTEXT_MASK_SHAPES:
         lse = torch.zeros(num_heads, tokens, dtype=torch.float32, device=device)
         out = torch.zeros(tokens, num_heads, 8, dtype=torch.bfloat16, device=device)

@@ -3,7 +3,8 @@
 centred layers their sums kept across steps, then compile every kernel variant the serving paths can reach (store;
 decode split/unsplit; chunked-prefill context for every query-block shape; split merge), on the null block 0 of each
 group's KV cache, before CUDA-graph capture. MLA groups (TURBOQUANT_MLA): store, decode with every split-merge
-variant, the prefill context's gather, and vLLM's own context mask of its chunked-context prefill.
+variant, the prefill context's gather, and vLLM's own context mask of its chunked-context prefill; MLA models with any
+other cache get that mask compiled too (``warmup_mla_context_mask``).
 
 vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
 this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
@@ -33,7 +34,7 @@ from ..ops.compile_ahead import (
 from ..ops.kv_store import new_block_epochs
 from .backend import TQAttentionBackend, TQAttentionImpl
 from .centering import attach_key_centering
-from .mla_backend import TQMLABackend
+from .mla_backend import TQMLABackend, warmup_context_mask
 
 # Under vLLM's logger so that its logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger(f"vllm.{__name__}")
@@ -152,6 +153,23 @@ def warmup_tq_attention(model_runner) -> None:
             len(count.compiled),
             why,
         )
+
+
+def warmup_mla_context_mask(model_runner) -> int:
+    """An MLA model with any other KV-cache dtype (bf16, fp8): compile vLLM's context mask of its chunked-context
+    prefill (``mla_backend.warmup_context_mask``) for the layers' head count, before serving; vLLM's own MLA backends
+    reach it in the first step that continues a chunked prompt beside new ones, where the compile would hold that
+    step. Returns the launches."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    ctx = model_runner.compilation_config.static_forward_context
+    heads = sorted({layer.num_heads for layer in ctx.values() if isinstance(layer, MLAAttention)})
+    with counting_compiles() as count:
+        launches = sum(warmup_context_mask(h, model_runner.device) for h in heads)
+    if heads:
+        logger.info("MLA context mask: %d launches for %s heads (%d variants compiled)", launches,
+                    "/".join(map(str, heads)), len(count.compiled))
+    return launches
 
 
 def _compile_workers(model_runner) -> int:
