@@ -12,9 +12,9 @@ prefill backend, chunked context) stay as they are; this backend replaces what t
 - decode (``forward_mqa``): ``ops.mla.mla_decode_attention``, attention straight from the compressed pages with the
   absorbed query in the rotated domain, split-KV, all heads of a request sharing each page read; requests of up to
   ``MLA_DECODE_MAX_QUERY_LEN`` query tokens decode too, one causal row per token (``mla_decode_query_rows``, made by
-  the metadata builder once per step); the latent's
-  rotation is folded into the layer's absorbed weights W_UK_T and W_UV when vLLM makes them
-  (``absorb_latent_basis``, called from ``MLAAttention.process_weights_after_loading``), so no rotation runs per step;
+  the metadata builder once per step); the latent's rotation is folded into the layer's absorbed weights W_UK_T and
+  W_UV when vLLM makes them (``absorb_latent_basis``, called from ``MLAAttention.process_weights_after_loading``), so
+  no rotation runs per step;
 - the prefill context (``_gather_context_chunk``, vLLM's ``gather_and_maybe_dequant_cache`` contract):
   ``ops.mla.mla_gather_dequant`` into vLLM's chunked-context workspace, then vLLM's own MLA prefill path.
 
