@@ -322,12 +322,38 @@ def _mla_layer(tqm, monkeypatch, act_dtype=torch.float32):
     return layer
 
 
+def _decode_through_layer(layer, cache, decode, q, query_start_loc, max_seq_len):
+    """One decode step of q [tokens, HEADS, NOPE + R] (query_start_loc: each request's tokens) through
+    MLAAttention.forward_impl with our decode metadata -> out [tokens, HEADS * V]."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+
+    t, b = q.shape[0], query_start_loc.numel() - 1
+    md = MLACommonMetadata(num_reqs=b, max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
+                           max_seq_len=max_seq_len, num_actual_tokens=t, query_start_loc=query_start_loc,
+                           slot_mapping=torch.full((t,), -1, dtype=torch.int64), num_decodes=b, num_decode_tokens=t,
+                           num_prefills=0, decode=decode)
+    out = torch.full((t, HEADS * V), float("nan"))
+    layer.forward_impl(q, torch.zeros(t, LR), torch.zeros(t, 1, R), cache, md, output=out)
+    return out
+
+
+def _mla_attention_ref(layer, cache, lay, block_row, seen, q):
+    """MLA attention written out in float64 over the first ``seen`` latents of a request (its block table row):
+    keys [kv_c W_UK | k_pe], values kv_c W_UV, per head -> [HEADS * V]."""
+    w = layer.kv_b_proj.weight.double().view(HEADS, NOPE + V, LR)
+    rows = mla_gather_dequant_ref(cache, lay, block_row, torch.tensor([0, seen]), torch.zeros(seen, dtype=torch.long),
+                                  seen).double()
+    kv_c, k_pe = rows[:, :LR], rows[:, LR:]
+    k = torch.cat([torch.einsum("hpl,tl->htp", w[:, :NOPE], kv_c), k_pe.expand(HEADS, -1, -1)], -1)
+    v = torch.einsum("hvl,tl->htv", w[:, NOPE:], kv_c)
+    s = torch.einsum("hd,htd->ht", q.double(), k) * layer.impl.scale
+    return torch.einsum("ht,htv->hv", torch.softmax(s, -1), v).reshape(-1)
+
+
 def test_decode_step_through_vllm_mla_layer_is_mla_attention_on_the_stored_latents(tqm, monkeypatch):
     """One decode step through MLAAttention.forward_impl (vLLM's absorbed query W_UK_T, our forward_mqa, vLLM's W_UV)
     against MLA attention written out in float64 over the latents the cache holds: keys [kv_c W_UK | k_pe], values
     kv_c W_UV, per head."""
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
-
     layer = _mla_layer(tqm, monkeypatch)
     impl = layer.impl
     seq_lens = [37, 5, 20]
@@ -338,23 +364,9 @@ def test_decode_step_through_vllm_mla_layer_is_mla_attention_on_the_stored_laten
     q = torch.randn(b, HEADS, NOPE + R, generator=g)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     decode = tqm.TQMLADecodeMetadata(block_table=bt, seq_lens=sl, dcp_tot_seq_lens=None, num_splits=2)
-    qsl = torch.arange(b + 1, dtype=torch.int32)
-    md = MLACommonMetadata(num_reqs=b, max_query_len=1, max_seq_len=max(seq_lens), num_actual_tokens=b,
-                           query_start_loc=qsl, slot_mapping=torch.full((b,), -1, dtype=torch.int64), num_decodes=b,
-                           num_decode_tokens=b, num_prefills=0, decode=decode)
-    out = torch.full((b, HEADS * V), float("nan"))
-    layer.forward_impl(q, torch.zeros(b, LR), torch.zeros(b, 1, R), cache, md, output=out)
-    # reference: plain MLA attention per head over the decoded cache entries
-    w = layer.kv_b_proj.weight.double().view(HEADS, NOPE + V, LR)
-    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    out = _decode_through_layer(layer, cache, decode, q, torch.arange(b + 1, dtype=torch.int32), max(seq_lens))
     for r, n in enumerate(seq_lens):
-        rows = mla_gather_dequant_ref(cache, lay, bt[r: r + 1], torch.tensor([0, n]), torch.zeros(n, dtype=torch.long),
-                                      n).double()
-        kv_c, k_pe = rows[:, :LR], rows[:, LR:]
-        k = torch.cat([torch.einsum("hpl,tl->htp", w_uk, kv_c), k_pe.expand(HEADS, -1, -1)], -1)
-        v = torch.einsum("hvl,tl->htv", w_uv, kv_c)
-        s = torch.einsum("hd,htd->ht", q[r].double(), k) * impl.scale
-        want = torch.einsum("ht,htv->hv", torch.softmax(s, -1), v).reshape(-1)
+        want = _mla_attention_ref(layer, cache, lay, bt[r: r + 1], n, q[r])
         rel = (out[r].double() - want).norm() / want.norm()
         assert rel < 1e-2, (r, float(rel))
 
@@ -364,7 +376,7 @@ def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, mo
     reorder_batch_threshold query tokens as decodes): the builder makes one row per token, and each token's output
     through MLAAttention.forward_impl is MLA attention, in float64, over its request's stored latents up to its own
     position."""
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, QueryLenSupport
+    from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 
     from turboquant_core.ops.mla import MLA_DECODE_MAX_QUERY_LEN
 
@@ -392,24 +404,11 @@ def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, mo
     assert one.block_table is bt and one.seq_lens is sl
     g = torch.Generator().manual_seed(25)
     q = torch.randn(t, HEADS, NOPE + R, generator=g)
-    md = MLACommonMetadata(num_reqs=b, max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_actual_tokens=t,
-                           query_start_loc=qsl, slot_mapping=torch.full((t,), -1, dtype=torch.int64), num_decodes=b,
-                           num_decode_tokens=t, num_prefills=0, decode=decode)
-    out = torch.full((t, HEADS * V), float("nan"))
-    layer.forward_impl(q, torch.zeros(t, LR), torch.zeros(t, 1, R), cache, md, output=out)
-    w = layer.kv_b_proj.weight.double().view(HEADS, NOPE + V, LR)
-    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    out = _decode_through_layer(layer, cache, decode, q, qsl, max(seq_lens))
     token = 0
     for r, (n, ql) in enumerate(zip(seq_lens, q_lens)):
-        rows = mla_gather_dequant_ref(cache, lay, bt[r: r + 1], torch.tensor([0, n]), torch.zeros(n, dtype=torch.long),
-                                      n).double()
-        kv_c, k_pe = rows[:, :LR], rows[:, LR:]
-        k = torch.cat([torch.einsum("hpl,tl->htp", w_uk, kv_c), k_pe.expand(HEADS, -1, -1)], -1)
-        v = torch.einsum("hvl,tl->htv", w_uv, kv_c)
         for j in range(ql):
-            seen = n - ql + j + 1
-            s = torch.einsum("hd,htd->ht", q[token].double(), k[:, :seen]) * impl.scale
-            want = torch.einsum("ht,htv->hv", torch.softmax(s, -1), v[:, :seen]).reshape(-1)
+            want = _mla_attention_ref(layer, cache, lay, bt[r: r + 1], n - ql + j + 1, q[token])
             rel = (out[token].double() - want).norm() / want.norm()
             assert rel < 1e-2, (r, j, float(rel))
             token += 1
