@@ -39,6 +39,11 @@ each request's ``RequestOutput.metrics`` (first and last token times): ``tpot_ms
 the scenario left (the decode-only number for S3's 8 x 32k prompts); and the time to first token (vLLM's
 ``first_token_latency``: ``ttft_ms`` the mean, ``ttft_ms_max`` the largest, for requests sent at once the prefill
 phase).
+
+``--speculative-config JSON`` gives every config's engine that speculative decoding (vLLM's ``speculative_config``,
+e.g. ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``), and
+each scenario then records the draft and accepted tokens; ``--prompt-period N`` makes every prompt one random pattern
+of N tokens repeated, so that an ngram drafter proposes from the first step.
 """
 
 from __future__ import annotations
@@ -195,6 +200,8 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
         enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **options,
     )
+    if getattr(args, "speculative_config", None):
+        kwargs["speculative_config"] = json.loads(args.speculative_config)
     quantization = getattr(args, "quantization", None)
     if quantization:
         kwargs["quantization"] = quantization
@@ -352,6 +359,25 @@ def embedding_gib_per_rank(text_config, dtype_bytes: int, tensor_parallel_size: 
     return tables * text_config.vocab_size * text_config.hidden_size * dtype_bytes / tensor_parallel_size / GIB
 
 
+def prompt_ids(rng, n: int, period: int = 0) -> list[int]:
+    """n random token ids, or (``period``) one random pattern of that many tokens repeated to n."""
+    pattern = [rng.randrange(1000, 30000) for _ in range(min(period, n) if period else n)]
+    return (pattern * (n // max(len(pattern), 1) + 1))[:n]
+
+
+def spec_counts(llm) -> dict[str, int]:
+    """The engine's speculative-decoding counters so far: draft and accepted tokens."""
+    from vllm.v1.metrics.reader import Counter
+
+    names = {"vllm:spec_decode_num_draft_tokens": "spec_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
+    out = dict.fromkeys(names.values(), 0)
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in names:
+            out[names[m.name]] += int(m.value)
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside one subprocess: one engine, every scenario, one JSON line on stdout."""
     import random
@@ -384,16 +410,19 @@ def worker(args: argparse.Namespace) -> None:
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in warm],
                  SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
     for n_in, n_out, batch in scenarios:
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n_in)]} for _ in range(batch)]
+        prompts = [{"prompt_token_ids": prompt_ids(rng, n_in, args.prompt_period)} for _ in range(batch)]
         sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
         if running is not None:
             running.reset()
+        spec0 = spec_counts(llm) if args.speculative_config and not args.no_engine_stats else None
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         el = time.perf_counter() - t
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         row = dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
                    output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el)
+        if spec0 is not None:
+            row.update({k: v - spec0[k] for k, v in spec_counts(llm).items()})
         if running is not None and running.peak is not None:
             row["peak_running_seqs"] = running.peak
         row.update(tpot_stats(request_timings(outs)))
@@ -440,7 +469,10 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
            *(["--quantization", quantization] if quantization else []),
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
-           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size)]
+           "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--prompt-period", str(args.prompt_period)]
+    if args.speculative_config:
+        cmd += ["--speculative-config", args.speculative_config]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.no_engine_stats:
@@ -506,9 +538,11 @@ def summarize(rows: list[dict], baseline: str) -> str:
     bases = {_tp(r): r for r in rows if r["name"] == baseline and "scenarios" in r}
     show_tp = any(_tp(r) != 1 for r in rows)
     show_expected = any(r.get("kv_capacity_expected_tokens") for r in rows)
+    show_spec = any("spec_draft_tokens" in s for r in rows for s in r.get("scenarios", []))
     head = ["config", "install", *(["TP"] if show_tp else []), "kv_cache_dtype", "scenario", "output tok/s",
             "vs bf16", "KV capacity (tokens)", "vs bf16", *(["vs format table"] if show_expected else []),
-            "peak running", "TTFT ms, max", "TPOT ms", "TPOT ms, no prefill"]
+            "peak running", "TTFT ms, max", "TPOT ms", "TPOT ms, no prefill",
+            *(["drafts accepted / proposed"] if show_spec else [])]
 
     def line(cells: list) -> str:
         return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -528,7 +562,9 @@ def summarize(rows: list[dict], baseline: str) -> str:
                 _ratio(s["output_tok_per_s"], bs), cap or "-", _ratio(cap, base_cap),
                 *([_ratio(cap, r.get("kv_capacity_expected_tokens"))] if show_expected else []),
                 _opt(s.get("peak_running_seqs"), "d"), _opt(s.get("ttft_ms_max"), ".0f"), _opt(s.get("tpot_ms"), ".1f"),
-                _opt(s.get("tpot_ms_no_prefill"), ".1f")]))
+                _opt(s.get("tpot_ms_no_prefill"), ".1f"),
+                *([f"{s['spec_accepted_tokens']} / {s['spec_draft_tokens']}" if "spec_draft_tokens" in s else "-"]
+                  if show_spec else [])]))
     weights = [r for r in rows if r.get("weight_gib")]
     if weights:  # the weights suite: model memory as vLLM reports it after loading (one rank's under TP)
         lines += ["", "| config | --quantization | weights GiB | vs bf16 | linears vs bf16 |", "|---|---|---|---|---|"]
@@ -665,6 +701,10 @@ def main(argv=None) -> int:
                     help="comma list of INxOUTxBATCH or names: "
                          + ", ".join(f"{k}={v}" for k, v in NAMED_SCENARIOS.items()))
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's max_num_seqs (0: the largest batch)")
+    ap.add_argument("--speculative-config", default="",
+                    help="vLLM's speculative_config as JSON for every config's engine (e.g. an ngram drafter)")
+    ap.add_argument("--prompt-period", type=int, default=0,
+                    help="prompts of one random pattern of this many tokens, repeated (0: random throughout)")
     ap.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                     help="GPUs each config's engine is spread over (vLLM's tensor_parallel_size; default 1)")
     ap.add_argument("--baseline", default="bf16", help="config name the ratios are taken against")
@@ -704,6 +744,13 @@ def main(argv=None) -> int:
         print(summarize(rows, args.baseline))
         return 0
     parse_scenarios(args.scenarios)
+    if args.speculative_config:
+        try:
+            if not isinstance(json.loads(args.speculative_config), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise SystemExit(f"--speculative-config must be a JSON object (vLLM's speculative_config), got "
+                             f"{args.speculative_config!r}: {e}") from None
     if args.suite == "weights":
         configs = parse_weight_configs(args.configs or DEFAULT_WEIGHT_CONFIGS)
     else:
@@ -728,7 +775,8 @@ def main(argv=None) -> int:
         rows.append(run_config(args, name, install, dtype, log_dir, quantization))
         doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    model=args.model, scenarios=args.scenarios, tensor_parallel_size=args.tensor_parallel_size,
-                   results=rows)
+                   **({"speculative_config": json.loads(args.speculative_config)} if args.speculative_config else {}),
+                   **({"prompt_period": args.prompt_period} if args.prompt_period else {}), results=rows)
         out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has
     table = summarize(rows, args.baseline)
     out.with_suffix(".md").write_text(table + "\n")

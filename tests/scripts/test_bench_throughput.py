@@ -386,3 +386,37 @@ def test_kernels_compiled_while_serving_are_reported(bench):
     assert "Kernels compiled while serving (vLLM's JIT monitor): tq4: tq_dequant_kernel, tq_rotate_kernel (2)" in \
         bench.summarize(rows, "bf16")
 
+
+
+def test_speculative_decoding_reaches_every_engine_and_the_results(bench, tmp_path, monkeypatch):
+    """--speculative-config reaches every worker's engine (vLLM's speculative_config) and the results document; the
+    table gains the scenario's accepted / proposed draft tokens; --prompt-period repeats one random pattern; a
+    speculative config that is not a JSON object is refused."""
+    import random
+    from argparse import Namespace
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    args = Namespace(model="m", kv_cache_dtype="auto", max_num_seqs=0, gpu_memory_utilization=0.9, enforce_eager=False,
+                     max_num_batched_tokens=8192, cudagraph_sizes="", speculative_config=json.dumps(ngram))
+    assert bench.engine_kwargs(args, bench.parse_scenarios("S1"))["speculative_config"] == ngram
+    p = bench.prompt_ids(random.Random(0), 20, 8)
+    assert len(p) == 20 and p[:8] == p[8:16] == p[16:] + p[4:8] and len(set(p)) == 8
+    assert len(bench.prompt_ids(random.Random(0), 5, 8)) == 5 and len(bench.prompt_ids(random.Random(0), 7)) == 7
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    _FakeWorker.commands.clear()
+    out = tmp_path / "spec.json"
+    assert bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out),
+                       "--speculative-config", json.dumps(ngram), "--prompt-period", "8"]) == 0
+    cmd = _FakeWorker.commands[0]
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == ngram
+    assert cmd[cmd.index("--prompt-period") + 1] == "8"
+    doc = json.loads(out.read_text())
+    assert doc["speculative_config"] == ngram and doc["prompt_period"] == 8
+    row = dict(name="bf16", install="patched", kv_cache_dtype="auto", kv_capacity_tokens=10, scenarios=[
+        dict(input_len=100, output_len=10, batch=2, output_tok_per_s=5.0, spec_draft_tokens=30,
+             spec_accepted_tokens=12)])
+    table = bench.summarize([row], "bf16").splitlines()
+    assert table[0].endswith("| drafts accepted / proposed |") and table[2].endswith("| 12 / 30 |")
+    with pytest.raises(SystemExit, match="--speculative-config must be a JSON object"):
+        bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out),
+                    "--speculative-config", "ngram"])
