@@ -771,6 +771,18 @@ def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args,
 
         host = cProfile.Profile()
         host.enable()
+
+    def stop_profilers() -> None:  # at the first pure-decode step, or where the scenario ended (or failed) before it
+        nonlocal prof, host, prefill, host_report
+        if prof is not None:
+            prof.stop()
+            prefill = prefill_profile(prof, steps)
+            prof = None
+        if host is not None:
+            host.disable()
+            host_report = write_host_profile(host, args, label)
+            host = None
+
     try:
         torch.cuda.synchronize()
         while engine.has_unfinished_requests() and len(steps) < 4 * n_out + 1000:
@@ -785,22 +797,10 @@ def _timeline_scenario(llm, torch, sched, core, rec: ScheduleRecorder, sc, args,
             steps.append(dict(ms=1e3 * (time.perf_counter() - t0), tokens=sum(r["tokens"] for r in recs),
                               reqs=max((r["reqs"] for r in recs), default=0), pure=all(r["pure"] for r in recs)))
             if steps[-1]["pure"] and steps[-1]["tokens"]:
-                if prof is not None:
-                    prof.stop()
-                    prefill = prefill_profile(prof, steps)
-                    prof = None
-                if host is not None:
-                    host.disable()
-                    host_report = write_host_profile(host, args, label)
-                    host = None
+                stop_profilers()
         complete = not engine.has_unfinished_requests()
     finally:
-        if prof is not None:  # the scenario ended (or failed) before a pure-decode step
-            prof.stop()
-            prefill = prefill_profile(prof, steps)
-        if host is not None:
-            host.disable()
-            host_report = write_host_profile(host, args, label)
+        stop_profilers()
         if not complete:
             _abort_and_settle(engine, sched, core, ids)
     t = summarize_timeline(steps)

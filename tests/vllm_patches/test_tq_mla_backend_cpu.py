@@ -392,6 +392,7 @@ def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, mo
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     builder = object.__new__(tqm.TQMLAMetadataBuilder)  # the attributes _build_decode reads
     builder._decode_max_seq_len, builder.num_heads, builder.device, builder.layout = None, HEADS, sl.device, lay
+    builder.decode_kernel = "triton"
     decode = builder._build_decode(block_table_tensor=bt, seq_lens_device=sl, max_seq_len=max(seq_lens),
                                    query_start_loc_cpu=qsl, query_start_loc_device=qsl, num_decode_tokens=t,
                                    dcp_tot_seq_lens_device=None)

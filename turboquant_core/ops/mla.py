@@ -41,6 +41,7 @@ from ..kernels.mla_store_jit import tq_mla_store_finish_kernel, tq_mla_store_ker
 from ..kernels.paged_attention_jit import tq_merge_splits_kernel
 from .mla_layout import MLAPagedLayout, mla_cache_views, mla_tables
 from .paged_decode import _gluon_runs, codebook_permute_words, decode_key_order
+from .paged_decode_wgmma import _sm90
 
 MLA_GATHER_ROWS = 16  # tokens per gather program
 MLA_STORE_FEW_TOKENS = 256  # up to this many tokens the store runs narrow column chunks of 16-token programs
@@ -143,13 +144,6 @@ def mla_mma_applies(layout: MLAPagedLayout, device) -> bool:
             and lr & (lr - 1) == 0 and layout.rope_dim == 64
             and layout.block_size % MLA_MMA_BLOCK_N == 0 and layout.page_bytes % 4 == 0
             and layout.index_offset % 4 == 0 and _gluon_runs(str(torch.device(device))))
-
-
-@functools.lru_cache(maxsize=16)
-def _sm90(device: str) -> bool:
-    # (cached: the kernel choice runs on every decode step's metadata and launch)
-    dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) == (9, 0)
 
 
 @functools.lru_cache(maxsize=8)

@@ -191,6 +191,7 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             2 * (self.mla_dims.kv_lora_rank + self.mla_dims.qk_rope_head_dim),
             self.layout.fmt.latent.describe(),
         )
+        self.decode_kernel = mla_decode_kernel(self.layout, device)  # fixed for the engine: sizes every step's splits
 
     def _build_decode(
         self,
@@ -217,8 +218,7 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            num_splits=mla_decode_splits(rows, self.num_heads, longest, self.device,
-                                         mla_decode_kernel(self.layout, self.device)),
+            num_splits=mla_decode_splits(rows, self.num_heads, longest, self.device, self.decode_kernel),
         )
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
