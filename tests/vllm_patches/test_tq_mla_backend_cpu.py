@@ -393,7 +393,6 @@ def test_decode_of_several_query_tokens_through_vllm_mla_layer_is_causal(tqm, mo
     builder = object.__new__(tqm.TQMLAMetadataBuilder)  # the attributes _build_decode reads
     builder._decode_max_seq_len, builder.num_heads, builder.device, builder.layout = None, HEADS, sl.device, lay
     builder.decode_kernel = "triton"
-    builder._uniform_query_len, builder._max_uniform_rows, builder._rows = 1, 0, None  # no speculative decoding
     decode = builder._build_decode(block_table_tensor=bt, seq_lens_device=sl, max_seq_len=max(seq_lens),
                                    query_start_loc_cpu=qsl, query_start_loc_device=qsl, num_decode_tokens=t,
                                    dcp_tot_seq_lens_device=None)
@@ -441,40 +440,3 @@ def test_mla_models_with_other_caches_warm_vllms_context_mask(tqm, monkeypatch):
     assert seen == [(HEADS, t, r) for t, r in tqm.CONTEXT_MASK_SHAPES]
     seen.clear()
     assert warmup.warmup_mla_context_mask(runner({"model.layers.0.mlp": torch.nn.Linear(2, 2)})) == 0 and not seen
-
-
-def test_uniform_verification_rows_live_in_persistent_buffers(tqm, monkeypatch):
-    """With speculative decoding (3 tokens: rows of 4), a verification batch's rows are written to the builder's
-    persistent buffers, all of the uniform batch's rows (a CUDA graph captured for 3 requests x 4 replays them; the
-    padding request has no token, its rows attend to nothing), the same buffers every step; a batch with more tokens
-    than its requests' uniform rows (a chunked prompt's last 7 tokens) gets new tensors, and a capture of one is
-    refused."""
-    from vllm.v1.attention.backend import AttentionCGSupport
-
-    assert tqm.TQMLAMetadataBuilder._cudagraph_support is AttentionCGSupport.UNIFORM_BATCH
-    lay = _impl(tqm, monkeypatch).layout_for(torch.zeros(NUM_BLOCKS, BS * 322, dtype=torch.uint8))
-    builder = object.__new__(tqm.TQMLAMetadataBuilder)
-    builder._decode_max_seq_len, builder.num_heads, builder.device, builder.layout = None, HEADS, torch.device("cpu"), lay
-    builder._uniform_query_len, builder._max_uniform_rows, builder._rows = 4, 8 * 4, None
-    builder.decode_kernel = "triton"
-    bt = torch.arange(3 * 5, dtype=torch.int32).reshape(3, 5)
-
-    def build(seq_lens, qsl, tokens):
-        return builder._build_decode(block_table_tensor=bt, seq_lens_device=torch.tensor(seq_lens, dtype=torch.int32),
-                                     max_seq_len=max(seq_lens), query_start_loc_cpu=torch.tensor(qsl),
-                                     query_start_loc_device=torch.tensor(qsl, dtype=torch.int32),
-                                     num_decode_tokens=tokens, dcp_tot_seq_lens_device=None)
-
-    a = build([40, 9, 0], [0, 4, 8, 8], 8)  # two requests verifying 3 drafts, one padding request
-    assert a.seq_lens.tolist() == [37, 38, 39, 40, 6, 7, 8, 9] and a.block_table[:, 0].tolist() == [0] * 4 + [5] * 4
-    bt_buf, sl_buf = builder._rows
-    assert a.seq_lens.data_ptr() == sl_buf.data_ptr() and a.block_table.data_ptr() == bt_buf.data_ptr()
-    assert sl_buf[8:12].tolist() == [0, 0, 0, 0]  # the padding request's rows of the captured 12
-    b = build([17, 30, 0], [0, 2, 6, 6], 6)  # ragged drafts: the same buffers
-    assert b.seq_lens.tolist() == [16, 17, 27, 28, 29, 30] and b.seq_lens.data_ptr() == sl_buf.data_ptr()
-    assert sl_buf[6:12].tolist() == [0] * 6
-    c = build([50, 12], [0, 7, 9], 9)  # a chunked prompt's last 7 tokens: past 2 x 4 rows, new tensors
-    assert c.seq_lens.tolist() == [44, 45, 46, 47, 48, 49, 50, 11, 12] and c.seq_lens.data_ptr() != sl_buf.data_ptr()
-    builder._decode_max_seq_len = 4096
-    with pytest.raises(RuntimeError, match="capture of 9 decode tokens of 2 requests"):
-        build([50, 12], [0, 7, 9], 9)

@@ -257,32 +257,23 @@ MLA_DECODE_MAX_QUERY_LEN = 16
 
 
 def mla_decode_query_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                          num_tokens: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode requests with several query tokens as one decode row per token: token j of request r (query tokens
     query_start_loc[r]..[r+1], seq_lens[r] tokens with them) attends causally, to the first seq_lens[r] - q_r + j + 1
     tokens of its pages. -> (block_table [num_tokens, max_blocks], seq_lens [num_tokens] int32) for
-    ``mla_decode_attention``, whose out and lse rows are then the tokens'. ``num_tokens`` (a host int) is at least
-    query_start_loc[-1]: rows past the requests' tokens (a CUDA graph's padding) attend to nothing. With ``out`` (a
-    block table and seq lens of at least num_tokens rows) the rows are written there and views of them returned: the
-    persistent buffers a CUDA graph replays. No host synchronization."""
+    ``mla_decode_attention``, whose out and lse rows are then the tokens'. ``num_tokens`` (a host int) is
+    query_start_loc[-1]; no host synchronization."""
     reqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != reqs + 1 or block_table.shape[0] < reqs:
         raise ValueError(f"query_start_loc must have {reqs + 1} entries and block_table >= {reqs} rows, got "
                          f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
     dev = seq_lens.device
     starts = query_start_loc.to(device=dev, dtype=torch.int64)
-    token = torch.arange(num_tokens, device=dev)
-    row_req = torch.searchsorted(starts[1:], token, right=True).clamp_(max=max(reqs - 1, 0))
-    q_len = starts[row_req + 1] - starts[row_req]
-    row_seq = torch.where(token < starts[-1], seq_lens[row_req].to(torch.int64) - q_len + token - starts[row_req] + 1,
-                          0).to(torch.int32)
-    if out is None:
-        return block_table[row_req], row_seq
-    bt, sl = out[0][:num_tokens], out[1][:num_tokens]
-    torch.index_select(block_table, 0, row_req, out=bt)
-    sl.copy_(row_seq)
-    return bt, sl
+    q_lens = starts[1:] - starts[:-1]
+    row_req = torch.repeat_interleave(torch.arange(reqs, device=dev), q_lens, output_size=num_tokens)
+    position = torch.arange(num_tokens, device=dev) - starts[row_req]
+    row_seq = seq_lens[row_req].to(torch.int64) - q_lens[row_req] + position + 1
+    return block_table[row_req], row_seq.to(torch.int32)
 
 
 def _check_decode_inputs(ql_nope, q_pe, block_table, seq_lens, layout: MLAPagedLayout) -> None:

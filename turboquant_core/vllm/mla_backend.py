@@ -156,11 +156,10 @@ class TQMLADecodeMetadata(MLACommonDecodeMetadata):
 
 
 class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    # Uniform decode batches (one query token per request, or 1 + the speculative tokens when verifying drafts)
-    # replay as full CUDA graphs: the decode launch reads only persistent metadata buffers (a verification's rows
-    # too: ``_uniform_rows``) and makes no host sync. Batches with prefills, or with decodes of other query lengths,
-    # run piecewise, as with vLLM's other MLA backends.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Pure single-token decode batches replay as full CUDA graphs (the decode launch
+    # reads only persistent metadata buffers and makes no host sync); batches with
+    # prefills or several query tokens per decode run piecewise, as with vLLM's other MLA backends.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     # Requests of up to MLA_DECODE_MAX_QUERY_LEN query tokens (a chunked prompt's last ones beside decodes, draft
     # verification) decode from the pages, one row per token, instead of gathering their context for vLLM's prefill.
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
@@ -175,12 +174,6 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             )
         self.max_model_len = vllm_config.model_config.max_model_len
         self._decode_max_seq_len: int | None = None
-        spec = vllm_config.speculative_config
-        # Query tokens per request of a uniform verification batch (vLLM's uniform_decode_query_len), and the
-        # persistent rows (block table, seq lens) such batches decode from, made on first use.
-        self._uniform_query_len = 1 + (spec.num_speculative_tokens or 0) if spec is not None else 1
-        self._max_uniform_rows = vllm_config.scheduler_config.max_num_seqs * self._uniform_query_len
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layout = mla_paged_layout(
             vllm_config.cache_config.cache_dtype,
             kv_cache_spec.block_size,
@@ -213,21 +206,13 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         longest = max_seq_len if self._decode_max_seq_len is None else self._decode_max_seq_len
         rows = seq_lens_device.shape[0]
         if num_decode_tokens != rows:
-            # Requests with several query tokens: one causal row per token, made here once for all layers.
-            uniform = rows * self._uniform_query_len
-            if self._uniform_query_len > 1 and num_decode_tokens <= uniform <= self._max_uniform_rows:
-                # Could be a uniform verification batch replaying a full CUDA graph (captured for `uniform` rows,
-                # its padding requests without tokens): the rows go to the persistent buffers, and all `uniform`
-                # of them are written, the padding ones attending to nothing.
-                bt, sl = mla_decode_query_rows(block_table_tensor, seq_lens_device, query_start_loc_device, uniform,
-                                               out=self._uniform_rows(block_table_tensor))
-                block_table_tensor, seq_lens_device = bt[:num_decode_tokens], sl[:num_decode_tokens]
-            elif self._decode_max_seq_len is not None:
-                raise RuntimeError(f"TurboQuant MLA: a CUDA-graph capture of {num_decode_tokens} decode tokens of "
-                                   f"{rows} requests, past the uniform verification rows")
-            else:  # never replayed: new tensors
-                block_table_tensor, seq_lens_device = mla_decode_query_rows(
-                    block_table_tensor, seq_lens_device, query_start_loc_device, num_decode_tokens)
+            # Requests with several query tokens: one causal row per token, made here once for all layers. New
+            # tensors each step: never inside a captured graph (vLLM captures full graphs of one-token decodes only
+            # for this backend's UNIFORM_SINGLE_TOKEN_DECODE).
+            if self._decode_max_seq_len is not None:
+                raise RuntimeError("TurboQuant MLA: a CUDA-graph capture of decodes with several query tokens")
+            block_table_tensor, seq_lens_device = mla_decode_query_rows(
+                block_table_tensor, seq_lens_device, query_start_loc_device, num_decode_tokens)
             rows = num_decode_tokens
         return TQMLADecodeMetadata(
             block_table=block_table_tensor,
@@ -235,20 +220,6 @@ class TQMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             num_splits=mla_decode_splits(rows, self.num_heads, longest, self.device, self.decode_kernel),
         )
-
-    def _uniform_rows(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The persistent rows of uniform verification batches: a block table of vLLM's width and seq lens, for
-        max_num_seqs x (1 + the speculative tokens) rows."""
-        if self._rows is None:
-            self._rows = (
-                torch.zeros(self._max_uniform_rows, block_table.shape[1], dtype=block_table.dtype,
-                            device=block_table.device),
-                torch.zeros(self._max_uniform_rows, dtype=torch.int32, device=block_table.device),
-            )
-        if self._rows[0].shape[1] != block_table.shape[1]:
-            raise RuntimeError(f"TurboQuant MLA: the block table's width changed from {self._rows[0].shape[1]} to "
-                               f"{block_table.shape[1]} blocks")
-        return self._rows
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MLACommonMetadata:
         # The captured launch keeps its split count for every replay: size it for the
