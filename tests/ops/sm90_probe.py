@@ -23,6 +23,7 @@ from triton.runtime import jit as tjit
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _binders = {}
 
 
@@ -60,8 +61,20 @@ class ProbedLaunch:
         else:
             src = triton.compiler.ASTSource(self.fn, signature, constexprs, attrs)
         k = triton_compile(src, target=TARGET, options=options.__dict__)
+        self.ptx = k.asm["ptx"]
         regs, stack = resource_usage(k.asm["cubin"])
         return dict(kernel=self.name, regs=regs, stack=stack, shared=k.metadata.shared)
+
+    def ptxas_notes(self) -> str:
+        """What Triton's bundled ptxas says of the kernel in verbose mode (after ``compile()``): its performance
+        notes, e.g. C7515 where warpgroup MMAs meant to overlap other work are serialized."""
+        with tempfile.TemporaryDirectory() as d:
+            ptx = os.path.join(d, "k.ptx")
+            with open(ptx, "w") as f:
+                f.write(self.ptx)
+            p = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
+                               capture_output=True, text=True, check=True)
+        return p.stdout + p.stderr
 
 
 class Sm90Driver:

@@ -6,7 +6,12 @@ each latent encoding next to vLLM's fp8 MLA entries.
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes stay small.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,6 +334,54 @@ def test_kernels_compile_for_sm90_without_spills():
     want = [k for one in one_segment for k in store + decode + (mma if one else []) + gather]
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
+
+
+WGMMA_PIPELINE_PROBE = r'''
+import json
+import torch
+from tests.ops import sm90_probe
+
+seen = []
+
+
+def on_launch(launch):
+    if launch.name == "tq_mla_decode_wgmma_kernel":
+        res = launch.compile()
+        seen.append(dict(res, serialized="C7515" in launch.ptxas_notes()))
+
+
+sm90_probe.install(on_launch)
+from turboquant_core.ops import mla as mla_ops
+from turboquant_core.ops.mla import mla_decode_attention
+from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
+
+mla_ops._gluon_runs = lambda device: True
+for name in ("turboquant_2bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc"):
+    lay = mla_paged_layout(name, 16)
+    cache = allocate_mla_cache(4, lay)
+    mla_decode_attention(torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16),
+                         cache, lay, torch.zeros(2, 4, dtype=torch.int32), torch.tensor([10, 20], dtype=torch.int32),
+                         0.1, num_splits=2, kernel="wgmma")
+print(json.dumps(seen))
+'''
+
+
+@pytest.mark.slow
+def test_wgmma_decode_keeps_its_output_product_in_flight():
+    """ptxas keeps the warpgroup-MMA decode's pipeline (the output product in flight while the next tile is looked
+    up): it serializes warpgroup MMAs (note C7515) where other instructions write an accumulator while one is in
+    flight, e.g. a path around the tile loop. And the two fp16 tiles with the copy stages fit an sm_90 program's
+    shared memory (227 KB), for every one-segment latent."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    p = subprocess.run([sys.executable, "-c", WGMMA_PIPELINE_PROBE], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=root)
+    if p.returncode != 0:
+        pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(res) == 3, res
+    assert not any(r["serialized"] for r in res), res
+    assert all(r["stack"] == 0 and r["shared"] <= 227 * 1024 for r in res), res
 
 
 # ----------------------------------------------------------------------------------------------

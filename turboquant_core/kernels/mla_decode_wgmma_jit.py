@@ -11,6 +11,10 @@ coordinates and the 16 heads are the N = 16 columns. Per tile of 64 cached token
 3. online softmax over the tokens (base 2); P^T * a to shared memory (fp16);
 4. O^T [DP, 16] += C^T . P^T: the same shared tile read transposed (an MN-major A operand, which 16-bit types may be),
    so the latent is looked up once per tile for both products.
+The output product is left in flight while the next tile is looked up, into the other of two fp16 tiles (by tile
+parity); that tile's score products queue behind it, and one wait takes all three. ptxas keeps such a pipeline only
+where nothing but warpgroup MMAs writes an accumulator between an MMA's issue and its wait, so every program runs at
+least one tile (an empty split's tokens all masked) and the loop has no path around it.
 Position p = 8g + j of the tile holds field j of group g (the page's plane byte g), rotated coordinate j * DP/8 + g
 (``ops.mla.mla_wgmma_order``): the queries come in and the outputs leave in that order.
 """
@@ -18,7 +22,12 @@ Position p = 8g + j of the tile holds field j of group g (the page's plane byte 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 
 from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
 from .paged_decode_jit import _lookup4, _planes_to_words, _split_range
@@ -130,7 +139,7 @@ def tq_mla_decode_wgmma_kernel(
     qpe_hi = qpe.to(gl.bfloat16)
     qhi_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, qpe_hi)
     qlo_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, (qpe - qpe_hi.to(gl.float32)).to(gl.bfloat16))
-    c_smem = gl.allocate_shared_memory(gl.float16, [BT, DP], sm_l)
+    c_smem = gl.allocate_shared_memory(gl.float16, [2, BT, DP], sm_l)  # by tile parity
     p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BT], sm_l)
     stg_w = gl.allocate_shared_memory(gl.int32, [STAGES * B, BT, NW], gl.SwizzledSharedLayout(4, 2, 4, [1, 0]))
     stg_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, R], sm_l)
@@ -148,11 +157,15 @@ def tq_mla_decode_wgmma_kernel(
 
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=col_l)
     l_acc = gl.zeros([BT, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
-    acc = gl.zeros([DP, NQ], gl.float32, layout=mma)
-    for start in range(lo, hi, BT):
-        s = ((start - lo) // BT) % STAGES
+    acc = warpgroup_mma_init(gl.zeros([DP, NQ], gl.float32, layout=mma))  # the output product stays in flight
+    # at least one tile (an empty split's tokens all masked), so that the output product's accumulator is only ever
+    # written by warpgroup MMAs between its issue and its wait
+    for it in range(0, gl.maximum((hi - lo + BT - 1) // BT, 1)):
+        start = lo + it * BT
+        s = it % STAGES
+        c_t = c_smem.index(it % 2)
         async_copy.wait_group(STAGES - 2)  # this tile's copies (the later tiles' stay in flight)
-        gl.thread_barrier()  # ... of every thread; and the previous tile's products have read its shared tiles
+        gl.thread_barrier()  # ... of every thread; and the previous tile's scores have read its stage
         _stage_tile(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_w, stg_pe, stg_sc,
                     (s + STAGES - 1) % STAGES, wr, wc, pr, rc, sr, sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
         for i in gl.static_range(4):
@@ -166,7 +179,7 @@ def tq_mla_decode_wgmma_kernel(
                 p3 = stg_w.index(s * B + 3).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
             f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
             # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
-            c_smem.slice(16 * i, 16).store(gl.reshape(f, [16, DP]))
+            c_t.slice(16 * i, 16).store(gl.reshape(f, [16, DP]))
         tvalid = (start + ts) < hi
         sc = stg_sc.index(s)._reinterpret(gl.float16, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(tok_l)
         scf = gl.where(tvalid, sc.to(gl.float32), 0.0)
@@ -174,10 +187,13 @@ def tq_mla_decode_wgmma_kernel(
         gl.thread_barrier()
 
         kpe = stg_pe.index(s)
-        sco = warpgroup_mma(c_smem, q_smem.permute((1, 0)), gl.zeros([BT, NQ], gl.float32, layout=mma))
-        sco = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), sco * scf[:, None])
-        sco = warpgroup_mma(kpe, qlo_smem.permute((1, 0)), sco)
-        sco = gl.where(tvalid[:, None], sco, float("-inf"))
+        # queued behind the previous tile's output product; one wait for both (warpgroup MMAs complete in order)
+        zero = gl.zeros([BT, NQ], gl.float32, layout=mma)
+        s_c = warpgroup_mma(c_t, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_pe = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_pe = warpgroup_mma(kpe, qlo_smem.permute((1, 0)), s_pe, is_async=True)
+        acc, s_c, s_pe = warpgroup_mma_wait(0, deps=(acc, s_c, s_pe))
+        sco = gl.where(tvalid[:, None], s_c * scf[:, None] + s_pe, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sco, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(sco - m_safe[None, :])
@@ -188,7 +204,9 @@ def tq_mla_decode_wgmma_kernel(
         p_smem.store(gl.permute((p * scf[:, None]).to(gl.float16), [1, 0]))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(c_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
+        # left in flight: the next tile's lookup runs beside it, into the other fp16 tile
+        acc = warpgroup_mma(c_t.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :], is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_acc, axis=0)
