@@ -4,7 +4,8 @@ centred layers their sums kept across steps, then compile every kernel variant t
 decode split/unsplit; chunked-prefill context for every query-block shape; split merge), on the null block 0 of each
 group's KV cache, before CUDA-graph capture. MLA groups (TURBOQUANT_MLA): store, decode with every split-merge
 variant, the prefill context's gather, and vLLM's own context mask of its chunked-context prefill; MLA models with any
-other cache get that mask compiled too (``warmup_mla_context_mask``).
+other cache get that mask compiled too (``warmup_mla_context_mask``). MoE models, whatever their cache, run one eager
+step for each variant of vLLM's fused-MoE kernel that the steps past the CUDA graphs reach (``warmup_moe_eager_steps``).
 
 vLLM's profiling run gives attention no metadata and CUDA-graph capture covers only pure decode batches, so without
 this the context kernels would compile inside the first requests that hit chunked prefill. The variants do not depend
@@ -18,6 +19,7 @@ variants one after another in the engine process.
 
 import contextlib
 import functools
+import json
 import time
 
 import torch
@@ -170,6 +172,87 @@ def warmup_mla_context_mask(model_runner) -> int:
         logger.info("MLA context mask: %d launches for %s heads (%d variants compiled)", launches,
                     "/".join(map(str, heads)), len(count.compiled))
     return launches
+
+
+def fused_moe_variant(m: int, config: dict, top_k: int, num_experts: int) -> tuple:
+    """What picks the variant of vLLM 0.26.0's Triton ``fused_moe_kernel`` in a step of m tokens: the tile config,
+    and Triton's specialization (divisible by 16, equal to 1) of the integer arguments that follow m, the routed rows
+    (m * top_k) and the rows padded per expert (EM) of the gate/up and the down product, as
+    ``invoke_fused_moe_triton_kernel``, ``moe_align_block_size`` and ``_prepare_expert_assignment`` compute them
+    (no expert map)."""
+    bm = config["BLOCK_SIZE_M"]
+    rows = m * top_k
+    if rows * 4 <= num_experts:  # naive block assignment: one block per routed row
+        em = em_down = rows * bm
+    else:
+        em = rows + num_experts * (bm - 1)
+        if rows < num_experts:
+            em = min(em, rows * bm)
+        em_down = min(em, rows * bm) if rows < bm else em  # the down product's A has the routed rows
+        if m < bm:
+            em = min(em, rows * bm)
+
+    def spec(x: int) -> tuple[bool, bool]:
+        return x % 16 == 0, x == 1
+
+    return json.dumps(config, sort_keys=True), spec(rows), spec(em), spec(em_down)
+
+
+def eager_moe_token_counts(config_for, top_k: int, num_experts: int, token_counts) -> list[int]:
+    """The fewest of ``token_counts`` that reach every variant of the fused-MoE kernel those counts reach
+    (``fused_moe_variant``); ``config_for(m)`` is the tile config a step of m tokens picks."""
+    first: dict[tuple, int] = {}
+    for m in token_counts:
+        first.setdefault(fused_moe_variant(m, config_for(m), top_k, num_experts), m)
+    return sorted(first.values())
+
+
+def warmup_moe_eager_steps(model_runner) -> list[int]:
+    """MoE layers whose experts run vLLM's Triton fused-MoE kernel: one eager dummy step for each variant of it that
+    steps past the CUDA graphs can reach (``eager_moe_token_counts``). The profiling run compiles the variants of a
+    full step and CUDA-graph capture those of the captured sizes, but the steps between them (a prefill chunk beside a
+    few decodes) pick their tile config and Triton specialization by their token count, and the first such step
+    compiled its variant while serving. Returns the token counts run."""
+    from vllm.config import CUDAGraphMode
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    cc = getattr(model_runner, "compilation_config", None)
+    if cc is None or not hasattr(model_runner, "_dummy_run"):
+        return []
+    ctx = cc.static_forward_context
+    dtype = model_runner.model_config.dtype
+    problems = set()  # (weights' shapes, top_k, experts, config dtype, block shape) of the layers
+    for name in getattr(cc, "static_all_moe_layers", None) or []:
+        experts_layer = getattr(ctx.get(name), "routed_experts", None)
+        kernel = getattr(getattr(experts_layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, TritonExperts):
+            continue
+        top_k = experts_layer.moe_config.experts_per_token
+        problems.add((tuple(experts_layer.w13_weight.shape), tuple(experts_layer.w2_weight.shape), top_k,
+                      experts_layer.moe_config.num_experts, experts.quant_config.config_name(dtype),
+                      tuple(experts.block_shape or ()) or None))
+    if not problems:
+        return []
+    last = model_runner.scheduler_config.max_num_batched_tokens
+    graphs = not model_runner.model_config.enforce_eager and cc.cudagraph_mode.mixed_mode() != CUDAGraphMode.NONE
+    first = (cc.max_cudagraph_capture_size or 0) + 1 if graphs else 1
+    counts = sorted({
+        m
+        for (w1, w2, top_k, experts, config_dtype, block_shape) in problems
+        for m in eager_moe_token_counts(
+            lambda m, w1=w1, w2=w2, top_k=top_k, c=config_dtype, b=block_shape: try_get_optimal_moe_config(
+                w1, w2, top_k, c, m, block_shape=list(b) if b else None),
+            top_k, experts, range(first, last + 1))
+    })
+    t0 = time.perf_counter()
+    with counting_compiles() as count:
+        for m in counts:
+            model_runner._dummy_run(m, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True, remove_lora=False)
+    logger.info("MoE steps past the CUDA graphs: %d eager dummy steps of %s tokens in %.1f s (%d kernel variants "
+                "compiled)", len(counts), ", ".join(map(str, counts)), time.perf_counter() - t0, len(count.compiled))
+    return counts
 
 
 def _compile_workers(model_runner) -> int:
