@@ -44,6 +44,11 @@ phase).
 e.g. ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``), and
 each scenario then records the draft and accepted tokens; ``--prompt-period N`` makes every prompt one random pattern
 of N tokens repeated, so that an ngram drafter proposes from the first step.
+
+``--repeat N`` runs every scenario N times in each engine, in rounds (all scenarios, then all again), on fresh
+prompts: the row is the median run by output tok/s, with the range and each run's timings (``repeats``). Where a
+scenario's time is mostly prefill (2048/512 x 384 on an MLA model), single runs of the same engine differ by up to
+20 %; the engine's start-up is most of a config's time, so repeats cost little.
 """
 
 from __future__ import annotations
@@ -378,6 +383,46 @@ def spec_counts(llm) -> dict[str, int]:
     return out
 
 
+def run_scenario(llm, rng, running, args, n_in: int, n_out: int, batch: int) -> dict:
+    """One timed run of a scenario: ``batch`` random prompts of ``n_in`` tokens sent at once, ``n_out`` tokens each."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": prompt_ids(rng, n_in, args.prompt_period)} for _ in range(batch)]
+    sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
+    if running is not None:
+        running.reset()
+    spec0 = spec_counts(llm) if args.speculative_config and not args.no_engine_stats else None
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    el = time.perf_counter() - t
+    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    row = dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
+               output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el)
+    if spec0 is not None:
+        row.update({k: v - spec0[k] for k, v in spec_counts(llm).items()})
+    if running is not None and running.peak is not None:
+        row["peak_running_seqs"] = running.peak
+    row.update(tpot_stats(request_timings(outs)))
+    row.update(ttft_stats(outs))
+    return row
+
+
+REPEAT_KEYS = ("elapsed_s", "output_tok_per_s", "ttft_ms", "ttft_ms_max", "tpot_ms", "tpot_ms_no_prefill")
+
+
+def aggregate_repeats(runs: list[dict]) -> dict:
+    """A scenario's runs (``--repeat``) -> its row: the median run by output tok/s (the lower of the two middle
+    ones for an even count), and with more than one run the range of output tok/s and each run's timings in
+    ``repeats``."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["output_tok_per_s"])
+    row = dict(runs[order[(len(runs) - 1) // 2]])
+    if len(runs) > 1:
+        row["output_tok_per_s_min"] = runs[order[0]]["output_tok_per_s"]
+        row["output_tok_per_s_max"] = runs[order[-1]]["output_tok_per_s"]
+        row["repeats"] = [{k: r[k] for k in REPEAT_KEYS if k in r} for r in runs]
+    return row
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside one subprocess: one engine, every scenario, one JSON line on stdout."""
     import random
@@ -400,7 +445,6 @@ def worker(args: argparse.Namespace) -> None:
                     mla=[mc.hf_text_config.kv_lora_rank, mc.hf_text_config.qk_rope_head_dim] if mc.use_mla else None)
     embedding_gib = embedding_gib_per_rank(mc.hf_text_config, mc.dtype.itemsize, pc.tensor_parallel_size)
     rng = random.Random(0)
-    rows = []
     # Warm-up outside the timed region: a short prompt (prefill + decode kernels), a batch whose prefill (8 x 256
     # tokens) runs past the usual CUDA-graph sizes, eagerly, and, where it fits, a prompt longer than a scheduler
     # step, so chunked prefill's cached-context path is compiled too. Kernels compiled here after vLLM's own
@@ -409,25 +453,11 @@ def worker(args: argparse.Namespace) -> None:
     warm += [args.max_num_batched_tokens + 64] if args.max_num_batched_tokens + 72 <= max_len else []
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in warm],
                  SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
-    for n_in, n_out, batch in scenarios:
-        prompts = [{"prompt_token_ids": prompt_ids(rng, n_in, args.prompt_period)} for _ in range(batch)]
-        sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0)
-        if running is not None:
-            running.reset()
-        spec0 = spec_counts(llm) if args.speculative_config and not args.no_engine_stats else None
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        el = time.perf_counter() - t
-        n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
-        row = dict(input_len=n_in, output_len=n_out, batch=batch, elapsed_s=el, output_tokens=n_gen,
-                   output_tok_per_s=n_gen / el, total_tok_per_s=(n_gen + n_in * batch) / el)
-        if spec0 is not None:
-            row.update({k: v - spec0[k] for k, v in spec_counts(llm).items()})
-        if running is not None and running.peak is not None:
-            row["peak_running_seqs"] = running.peak
-        row.update(tpot_stats(request_timings(outs)))
-        row.update(ttft_stats(outs))
-        rows.append(row)
+    runs: list[list[dict]] = [[] for _ in scenarios]
+    for _ in range(args.repeat):  # rounds of every scenario, so that no scenario always runs first
+        for i, (n_in, n_out, batch) in enumerate(scenarios):
+            runs[i].append(run_scenario(llm, rng, running, args, n_in, n_out, batch))
+    rows = [aggregate_repeats(r) for r in runs]
     import torch
     import vllm
 
@@ -470,7 +500,7 @@ def run_config(args, name: str, install: str, dtype: str, log_dir: Path, quantiz
            "--scenarios", args.scenarios, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--cudagraph-sizes", args.cudagraph_sizes,
            "--max-num-seqs", str(args.max_num_seqs), "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--prompt-period", str(args.prompt_period)]
+           "--prompt-period", str(args.prompt_period), "--repeat", str(args.repeat)]
     if args.speculative_config:
         cmd += ["--speculative-config", args.speculative_config]
     if args.enforce_eager:
@@ -534,15 +564,17 @@ def _ratio(a, b) -> str:
 def summarize(rows: list[dict], baseline: str) -> str:
     """The markdown table of a run. Each row is compared with the baseline of its own tensor-parallel size; a TP
     column appears when any row ran on more than one GPU, a "vs format table" column (capacity over
-    ``kv_capacity_expected_tokens``) when any row has that number."""
+    ``kv_capacity_expected_tokens``) when any row has that number, a "runs" column (how many, and the range of
+    output tok/s) when a scenario ran more than once (``--repeat``)."""
     bases = {_tp(r): r for r in rows if r["name"] == baseline and "scenarios" in r}
     show_tp = any(_tp(r) != 1 for r in rows)
     show_expected = any(r.get("kv_capacity_expected_tokens") for r in rows)
     show_spec = any("spec_draft_tokens" in s for r in rows for s in r.get("scenarios", []))
+    show_range = any("repeats" in s for r in rows for s in r.get("scenarios", []))
     head = ["config", "install", *(["TP"] if show_tp else []), "kv_cache_dtype", "scenario", "output tok/s",
-            "vs bf16", "KV capacity (tokens)", "vs bf16", *(["vs format table"] if show_expected else []),
-            "peak running", "TTFT ms, max", "TPOT ms", "TPOT ms, no prefill",
-            *(["drafts accepted / proposed"] if show_spec else [])]
+            *(["runs: min-max"] if show_range else []), "vs bf16", "KV capacity (tokens)", "vs bf16",
+            *(["vs format table"] if show_expected else []), "peak running", "TTFT ms, max", "TPOT ms",
+            "TPOT ms, no prefill", *(["drafts accepted / proposed"] if show_spec else [])]
 
     def line(cells: list) -> str:
         return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -559,6 +591,8 @@ def summarize(rows: list[dict], baseline: str) -> str:
             bs = base["scenarios"][i]["output_tok_per_s"] if base else None
             lines.append(line(lead + [
                 f"{s['input_len']}/{s['output_len']}/{s['batch']}", f"{s['output_tok_per_s']:.0f}",
+                *([f"{len(s['repeats'])}: {s['output_tok_per_s_min']:.0f}-{s['output_tok_per_s_max']:.0f}"
+                   if "repeats" in s else "1"] if show_range else []),
                 _ratio(s["output_tok_per_s"], bs), cap or "-", _ratio(cap, base_cap),
                 *([_ratio(cap, r.get("kv_capacity_expected_tokens"))] if show_expected else []),
                 _opt(s.get("peak_running_seqs"), "d"), _opt(s.get("ttft_ms_max"), ".0f"), _opt(s.get("tpot_ms"), ".1f"),
@@ -705,6 +739,9 @@ def main(argv=None) -> int:
                     help="vLLM's speculative_config as JSON for every config's engine (e.g. an ngram drafter)")
     ap.add_argument("--prompt-period", type=int, default=0,
                     help="prompts of one random pattern of this many tokens, repeated (0: random throughout)")
+    ap.add_argument("--repeat", type=positive_int, default=1,
+                    help="run every scenario N times in each engine (in rounds); the table shows the median run by "
+                         "output tok/s and the range")
     ap.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                     help="GPUs each config's engine is spread over (vLLM's tensor_parallel_size; default 1)")
     ap.add_argument("--baseline", default="bf16", help="config name the ratios are taken against")
@@ -776,7 +813,8 @@ def main(argv=None) -> int:
         doc = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    model=args.model, scenarios=args.scenarios, tensor_parallel_size=args.tensor_parallel_size,
                    **({"speculative_config": json.loads(args.speculative_config)} if args.speculative_config else {}),
-                   **({"prompt_period": args.prompt_period} if args.prompt_period else {}), results=rows)
+                   **({"prompt_period": args.prompt_period} if args.prompt_period else {}),
+                   **({"repeat": args.repeat} if args.repeat > 1 else {}), results=rows)
         out.write_text(json.dumps(doc, indent=1))  # after every config: a killed run keeps what it has
     table = summarize(rows, args.baseline)
     out.with_suffix(".md").write_text(table + "\n")

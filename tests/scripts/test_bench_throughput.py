@@ -420,3 +420,32 @@ def test_speculative_decoding_reaches_every_engine_and_the_results(bench, tmp_pa
     with pytest.raises(SystemExit, match="--speculative-config must be a JSON object"):
         bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out),
                     "--speculative-config", "ngram"])
+
+
+def test_repeats_give_the_median_run_and_the_range(bench, tmp_path, monkeypatch):
+    """--repeat N reaches every worker, which runs its scenarios in N rounds; a scenario's row is its median run by
+    output tok/s (the lower middle one of an even count), with the range and every run's timings; the table gains a
+    runs column and the results document the count."""
+    runs = [dict(input_len=8, output_len=4, batch=2, elapsed_s=e, output_tok_per_s=8 / e, ttft_ms=10 * e,
+                 peak_running_seqs=2) for e in (2.0, 1.0, 4.0)]
+    row = bench.aggregate_repeats(runs)
+    assert row["elapsed_s"] == 2.0 and row["ttft_ms"] == 20.0 and row["peak_running_seqs"] == 2
+    assert (row["output_tok_per_s_min"], row["output_tok_per_s_max"]) == (2.0, 8.0)
+    assert [r["elapsed_s"] for r in row["repeats"]] == [2.0, 1.0, 4.0] and "peak_running_seqs" not in row["repeats"][0]
+    assert bench.aggregate_repeats(runs[:2])["elapsed_s"] == 2.0  # even count: the slower middle run
+    assert bench.aggregate_repeats(runs[:1]) == runs[0]  # one run: as it was, no range
+
+    base = dict(name="bf16", install="patched", kv_cache_dtype="auto", kv_capacity_tokens=10, scenarios=[row])
+    table = bench.summarize([base], "bf16").splitlines()
+    assert "| output tok/s | runs: min-max | vs bf16 |" in table[0] and "| 4 | 3: 2-8 | 1.00x |" in table[2]
+    assert "runs" not in bench.summarize([dict(base, scenarios=runs[:1])], "bf16")
+
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    _FakeWorker.commands.clear()
+    out = tmp_path / "rep.json"
+    assert bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out),
+                       "--repeat", "3"]) == 0
+    cmd = _FakeWorker.commands[0]
+    assert cmd[cmd.index("--repeat") + 1] == "3" and json.loads(out.read_text())["repeat"] == 3
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "m", "--configs", "bf16", "--scenarios", "100x10x2", "--out", str(out), "--repeat", "0"])
