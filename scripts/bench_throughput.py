@@ -86,8 +86,10 @@ DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
 # group 128 from a dummy AWQ config (AWQ_DUMMY_CONFIG), served by vLLM's Marlin kernel.
 WEIGHT_CONFIGS = {"bf16": ("patched", "auto", None), "fp8": ("patched", "auto", "fp8"),
                   "awq-marlin": ("patched", "auto", "awq_marlin"), "tq4": ("patched", "auto", "tq4"),
-                  "tq3": ("patched", "auto", "tq3"), "tq4+k3v4": ("patched", "turboquant_k3v4_nc", "tq4")}
-DEFAULT_WEIGHT_CONFIGS = ",".join(WEIGHT_CONFIGS)
+                  "tq3": ("patched", "auto", "tq3"), "tq4+k3v4": ("patched", "turboquant_k3v4_nc", "tq4"),
+                  "tq4-lm-head": ("patched", "auto+tq_weights_lm_head=true", "tq4")}
+# The weights issue's configs; tq4-lm-head (the output head encoded too, --tq-weights-lm-head) runs when named.
+DEFAULT_WEIGHT_CONFIGS = "bf16,fp8,awq-marlin,tq4,tq3,tq4+k3v4"
 GIB = 1 << 30
 AWQ_DUMMY_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
@@ -444,6 +446,7 @@ def worker(args: argparse.Namespace) -> None:
     kv_shape = dict(layers=mc.get_num_layers(pc), kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
                     mla=[mc.hf_text_config.kv_lora_rank, mc.hf_text_config.qk_rope_head_dim] if mc.use_mla else None)
     embedding_gib = embedding_gib_per_rank(mc.hf_text_config, mc.dtype.itemsize, pc.tensor_parallel_size)
+    head_encoded = bool(getattr(getattr(cache, "turboquant", None), "weights_lm_head", False))
     rng = random.Random(0)
     # Warm-up outside the timed region: a short prompt (prefill + decode kernels), a batch whose prefill (8 x 256
     # tokens) runs past the usual CUDA-graph sizes, eagerly, and, where it fits, a prompt longer than a scheduler
@@ -464,7 +467,7 @@ def worker(args: argparse.Namespace) -> None:
     result = dict(device=torch.cuda.get_device_name(0), num_devices=torch.cuda.device_count(),
                   vllm_version=vllm.__version__, startup_s=startup, tensor_parallel_size=pc.tensor_parallel_size,
                   num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size, kv_shape=kv_shape,
-                  embedding_gib=embedding_gib,
+                  embedding_gib=embedding_gib, **({"output_head_encoded": True} if head_encoded else {}),
                   engine_stats=not args.no_engine_stats, scenarios=rows)
     print("TQ_BENCH_RESULT " + json.dumps(result), flush=True)
 
@@ -607,6 +610,8 @@ def summarize(rows: list[dict], baseline: str) -> str:
             # Without the embedding and head (bf16 in every config): the layers --quantization encodes.
             emb = r.get("embedding_gib")
             linears = (r["weight_gib"] - emb) / (bw - emb) if bw and emb is not None and bw > emb else None
+            if r.get("output_head_encoded"):  # its head is not among what the ratio leaves out
+                linears = None
             lines.append(line([r["name"], r.get("quantization") or "-", f"{r['weight_gib']:.2f}",
                                f"{r['weight_gib'] / bw:.3f}" if bw else "-", _opt(linears, ".3f")]))
     jit = [(r["name"], r["jit_while_serving"]) for r in rows if r.get("jit_while_serving")]

@@ -12,7 +12,8 @@ from turboquant_core.config import KEY_SMOOTHING_MODES, TQConfig, with_deprecate
 def test_defaults_and_frozen():
     cfg = TQConfig()
     assert (cfg.key_centering, cfg.key_smoothing, cfg.boundary_layers, cfg.attention_workspace_mb,
-            cfg.prefill_from_cache, cfg.compile_workers, cfg.decode_kernel) == (True, "auto", 0, 32, False, 0, "auto")
+            cfg.prefill_from_cache, cfg.compile_workers, cfg.decode_kernel, cfg.weights_lm_head) == (
+        True, "auto", 0, 32, False, 0, "auto", False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.key_centering = False
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # travels to vLLM's worker processes
@@ -28,6 +29,7 @@ def test_defaults_and_frozen():
     (dict(compile_workers=-1), r"compile_workers must be an integer >= 0 \(0: automatic\), got -1"),
     (dict(compile_workers=2.0), "compile_workers must be an integer >= 0"),
     (dict(decode_kernel="mma"), "decode_kernel must be one of auto, register-tile, wgmma, got 'mma'"),
+    (dict(weights_lm_head="yes"), "weights_lm_head must be true or false, got 'yes'"),
 ])
 def test_bad_values_name_the_valid_ones(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -40,6 +42,7 @@ def test_uuid_is_stable_and_tells_options_apart():
     assert TQConfig(prefill_from_cache=True).uuid() != TQConfig().uuid()
     assert TQConfig(compile_workers=1).uuid() != TQConfig().uuid()
     assert TQConfig(decode_kernel="wgmma").uuid() != TQConfig().uuid()
+    assert TQConfig(weights_lm_head=True).uuid() != TQConfig().uuid()
 
 
 def test_from_vllm_reads_the_cache_config_and_falls_back_to_defaults():

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Serving options of a TurboQuant KV cache: one frozen object, carried in vLLM's ``CacheConfig.turboquant`` and set
-from the command line (``vllm serve ... --tq-key-centering / --tq-key-smoothing / --tq-boundary-layers /
---tq-attention-workspace-mb / --tq-prefill-from-cache``). The vLLM glue reads it at construction; nothing reads the
-environment.
+"""Serving options of TurboQuant (the KV cache's, and the output head of ``--quantization tq3|tq4``): one frozen
+object, carried in vLLM's ``CacheConfig.turboquant`` and set from the command line (``vllm serve ...
+--tq-key-centering / --tq-key-smoothing / --tq-boundary-layers / --tq-attention-workspace-mb / --tq-prefill-from-cache
+/ --tq-compile-workers / --tq-decode-kernel / --tq-weights-lm-head``). The vLLM glue reads it at construction; nothing
+reads the environment.
 
 The ``TQ_*`` environment variables of earlier releases are read once, when the engine's configuration is made, with a
 deprecation warning naming the option that replaces each; an explicitly set option wins over them.
@@ -41,6 +42,9 @@ class TQConfig:
         (``ops.paged_decode_wgmma``) where it applies (sm_90, turboquant_k3v4_nc, head size 128, GQA group <= 8,
         one query per request), elsewhere the register-tile kernel (``ops.paged_decode``); ``register-tile`` that
         kernel everywhere; ``auto`` (the default) as ``wgmma``.
+    weights_lm_head: with ``--quantization tq3|tq4``, the output head (lm_head) is encoded in the same format as the
+        linear layers (``vllm.quant_config``); off by default. A head that shares the input embedding's weight
+        (``tie_word_embeddings``) is refused; the input embedding stays as it is.
     """
 
     key_centering: bool = True
@@ -50,6 +54,7 @@ class TQConfig:
     prefill_from_cache: bool = False
     compile_workers: int = 0
     decode_kernel: str = "auto"
+    weights_lm_head: bool = False
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -70,6 +75,8 @@ class TQConfig:
             raise ValueError(f"compile_workers must be an integer >= 0 (0: automatic), got {self.compile_workers!r}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if not isinstance(self.weights_lm_head, bool):
+            raise ValueError(f"weights_lm_head must be true or false, got {self.weights_lm_head!r}")
 
     def uuid(self) -> str:
         """Stable identity (vLLM's config hashing accepts objects that provide one)."""
@@ -79,7 +86,8 @@ class TQConfig:
         return (f"key centering {'on' if self.key_centering else 'off'}, key smoothing {self.key_smoothing}, "
                 f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB, "
                 f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}, "
-                f"{self.compile_workers or 'automatic'} compile workers, decode kernel {self.decode_kernel}")
+                f"{self.compile_workers or 'automatic'} compile workers, decode kernel {self.decode_kernel}"
+                + (", output head encoded" if self.weights_lm_head else ""))
 
     @classmethod
     def from_vllm(cls, vllm_config) -> TQConfig:

@@ -61,6 +61,11 @@ def test_weights_suite_configs_and_engine_arguments(bench):
     args.quantization = "tq4"
     kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
     assert kw["quantization"] == "tq4" and "hf_overrides" not in kw
+    # tq4-lm-head runs only when named: tq4 with the output head encoded too (--tq-weights-lm-head)
+    (head,) = bench.parse_weight_configs("tq4-lm-head")
+    args.kv_cache_dtype, args.quantization = head[2], head[3]
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
+    assert kw["quantization"] == "tq4" and kw["tq_weights_lm_head"] is True and kw["kv_cache_dtype"] == "auto"
 
 
 def test_weights_table_when_rows_carry_model_memory(bench):
@@ -75,6 +80,8 @@ def test_weights_table_when_rows_carry_model_memory(bench):
         r["embedding_gib"] = 2.3
     table = bench.summarize(rows, "bf16")
     assert "| tq4 | tq4 | 4.10 | 0.268 | 0.138 |" in table and "| bf16 | - | 15.30 | 1.000 | 1.000 |" in table
+    rows[1]["output_head_encoded"] = True  # its head is encoded: not what the ratio takes out
+    assert "| tq4 | tq4 | 4.10 | 0.268 | - |" in bench.summarize(rows, "bf16")
 
 
 def test_embedding_gib_per_rank(bench):

@@ -149,6 +149,11 @@ def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_en
         _tq_config(parser, arg_utils, ["--tq-boundary-layers", "-1"])
     with pytest.raises(ValueError, match="compile_workers must be an integer >= 0"):
         _tq_config(parser, arg_utils, ["--tq-compile-workers", "-2"])
+    got = _tq_config(parser, arg_utils, ["--quantization", "tq4", "--tq-weights-lm-head"])
+    assert got == TQConfig(weights_lm_head=True)
+    for argv in ([], ["--quantization", "fp8"]):  # the head is encoded only by --quantization tq3|tq4
+        with pytest.raises(ValueError, match="--tq-weights-lm-head encodes the output head with --quantization tq"):
+            _tq_config(parser, arg_utils, argv + ["--tq-weights-lm-head"])
 
 
 def test_turboquant_options_in_help_with_their_choices(parser, capsys):
@@ -157,7 +162,7 @@ def test_turboquant_options_in_help_with_their_choices(parser, capsys):
     out = capsys.readouterr().out
     for option in ("--tq-key-centering", "--no-tq-key-centering", "--tq-key-smoothing", "--tq-boundary-layers",
                    "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache",
-                   "--tq-compile-workers", "--tq-decode-kernel"):
+                   "--tq-compile-workers", "--tq-decode-kernel", "--tq-weights-lm-head", "--no-tq-weights-lm-head"):
         assert option in out
     assert "{auto,all,off}" in out and "{auto,register-tile,wgmma}" in out
     with pytest.raises(SystemExit) as exc:

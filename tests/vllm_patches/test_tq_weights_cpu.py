@@ -105,6 +105,48 @@ def test_embeddings_stay_and_ungrouped_inputs_are_padded(vllm_linear):
     torch.testing.assert_close(odd(x)[0], want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
+def test_the_output_head_is_encoded_when_the_engine_asks(vllm_linear, monkeypatch):
+    """--tq-weights-lm-head (TQConfig.weights_lm_head, read from the engine's config at construction): the output
+    head loads its full-precision weight through its own loader (vocabulary rows padded with zeros), is encoded once
+    loaded, and the logits' product (``quant_method.apply``) is the format's; the input embedding stays. A model
+    whose head shares the input embedding's weight is refused."""
+    from types import SimpleNamespace
+
+    import vllm.config
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_processing
+
+    from turboquant_core.config import TQConfig
+
+    linear, _, get_config, set_current, VllmConfig = vllm_linear
+    config = get_config("tq4")()
+    engine = VllmConfig()
+    engine.cache_config.turboquant = TQConfig(weights_lm_head=True)
+    with set_current(engine):
+        emb = VocabParallelEmbedding(100, 256, params_dtype=torch.float32, quant_config=config, prefix="embed_tokens")
+        head = ParallelLMHead(100, 256, params_dtype=torch.float32, quant_config=config, prefix="lm_head")
+    assert emb.weight.dtype == torch.float32
+    weight, x = torch.randn(100, 256) * 0.05, torch.randn(3, 256)
+    head.weight.weight_loader(head.weight, weight)
+    assert head.weight.is_meta  # the padding rows never load: vLLM encodes such a layer once loading is done
+    finalize_layerwise_processing(head, None)
+    rows = head.num_embeddings_padded  # vocabulary padded to a multiple of 64, the padding rows zero
+    assert head.weight.dtype == torch.int32 and head.weight.shape == (rows, 2, 16) and rows == 128
+    padded = torch.cat([weight, weight.new_zeros(rows - 100, 256)])
+    want = tq_linear_reference(x, quantize_weight(padded, "tq4"))
+    got = head.quant_method.apply(head, x)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    assert got[:, 100:].abs().max() == 0
+
+    # A tied model is refused at its first layer: some models then never build a head of their own.
+    tied = SimpleNamespace(cache_config=engine.cache_config,
+                           model_config=SimpleNamespace(hf_text_config=SimpleNamespace(tie_word_embeddings=True)))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: tied)
+    with pytest.raises(ValueError, match=r"--tq-weights-lm-head: this model's output head shares the input embedding"):
+        linear.ReplicatedLinear(256, 64, bias=False, params_dtype=torch.float32, quant_config=get_config("tq4")(),
+                                prefix="model.layers.0.mlp.down_proj")
+
+
 def test_moe_routers_stay_in_full_precision(vllm_linear):
     """A MoE block's router (``mlp.gate``, ``shared_expert_gate``) keeps its weight: a perturbed router picks other
     experts. Other layers named like projections are encoded."""

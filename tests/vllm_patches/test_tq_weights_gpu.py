@@ -7,7 +7,8 @@ own process (test_stock_failures_gpu.py's runner):
   greedy agreement over the first 8 tokens reported;
 - the same model written by ``tq quantize --bits 4`` and served as stored: the same tokens as the online tq4 engine
   (the same bytes);
-- the Qwen3-8B shape with dummy weights, tq4 with and without the k3v4 KV cache: finite, 16 tokens per prompt;
+- the Qwen3-8B shape with dummy weights, tq4 with and without the k3v4 KV cache: finite, 16 tokens per prompt; and
+  with ``--tq-weights-lm-head``: finite, the model smaller by the head's bf16 bytes less its tq4 bytes;
 - the Qwen3-30B-A3B shape (128 experts, top-8) with dummy weights, tq4 (the experts through
   turboquant_core/vllm/moe_method.py): finite, 16 tokens per prompt.
 """
@@ -83,6 +84,25 @@ def test_qwen3_8b_shape_with_tq4_weights(engine, kv):
                  phases=phases)
     _assert_finite(got)
     assert all(len(t) == 16 for t in _tokens(got))
+
+
+def test_qwen3_8b_shape_with_its_output_head_encoded_too(engine):
+    """--tq-weights-lm-head: the output head (151,936 x 4,096, not tied) is encoded with the linear layers; the
+    engine serves finite logprobs with CUDA graphs, and the model takes about 0.85 GiB less (1.16 GiB of bf16 head
+    against its tq4 bytes) than with tq4 alone, as vLLM reports it after loading."""
+    import re
+    from pathlib import Path
+
+    phases = [dict(name="greedy", prompts=_random_prompts(6, (16, 300)), max_tokens=16, ignore_eos=True)]
+    common = dict(model=str(CONFIGS / "qwen3-8b"), dummy=True, kv_cache_dtype="auto", max_model_len=2048,
+                  enforce_eager=False, gpu_memory_utilization=0.5, phases=phases)
+    gib = {}
+    for head in (False, True):
+        got = engine(engine_kwargs=dict(quantization="tq4", tq_weights_lm_head=head), **common)
+        _assert_finite(got)
+        assert all(len(t) == 16 for t in _tokens(got))
+        gib[head] = float(re.search(r"Model loading took ([\d.]+) GiB", Path(got["log"]).read_text()).group(1))
+    assert 0.75 < gib[False] - gib[True] < 0.95, gib
 
 
 def test_qwen3_30b_a3b_shape_with_tq4_experts(engine):

@@ -8,8 +8,9 @@ loaders of vLLM's unquantized method, onto the meta device: vLLM's layerwise loa
 the last arrives, materializes the layer and calls ``process_weights_after_loading``, which encodes it in the format
 (``ops.weight_codec``: groups of 128 along the input dimension, rotated, Lloyd-Max indices + an fp16 scale) and
 frees the full-precision tensor, so the model never exists whole in full precision. The forward pass is one
-``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are (an input slice
-that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``'s ``RoutedExperts``) are
+``turboquant::tq_linear`` op (``ops.linear``). Embeddings and the output head stay as they are, unless
+``--tq-weights-lm-head`` asks for the head (``ParallelLMHead``, the logits' product) to be encoded alike (an input
+slice that 128 does not divide gets a zero-padded last group). MoE experts (``FusedMoE``'s ``RoutedExperts``) are
 encoded alike, expert by expert (``moe_method.TQFusedMoEMethod``).
 
 ``TQCheckpointConfig`` reads the checkpoint's ``quantization_config`` (checked against the format table: a
@@ -34,6 +35,7 @@ import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -67,6 +69,7 @@ class TQWeightConfig(_TQQuantizationConfig):
     def __init__(self) -> None:
         super().__init__()
         self.fmt: WeightFormat = get_weight_format(self.format_name)
+        self._encode_head: bool | None = None  # --tq-weights-lm-head, read at the first layer
 
     def get_name(self) -> str:
         return self.format_name
@@ -79,13 +82,35 @@ class TQWeightConfig(_TQQuantizationConfig):
                          "from its full-precision weights")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        encode_head = self._encodes_output_head()
         if isinstance(layer, LinearBase):
             if prefix.rpartition(".")[2] in ROUTER_GATES:
                 return UnquantizedLinearMethod()
             return TQLinearMethod(self.fmt, prefix)
         if isinstance(layer, RoutedExperts):
             return TQFusedMoEMethod(self.fmt, layer, prefix)
+        if isinstance(layer, ParallelLMHead) and encode_head:
+            return TQLinearMethod(self.fmt, prefix)
         return None
+
+    def _encodes_output_head(self) -> bool:
+        """Whether the engine's options (``--tq-weights-lm-head``, ``TQConfig.weights_lm_head``) ask for the output
+        head to be encoded, read once, at the model's first layer; a model whose head shares the input embedding's
+        weight is refused then (some models never build a head of their own when it does)."""
+        if self._encode_head is None:
+            from vllm.config import get_current_vllm_config
+
+            from ..config import TQConfig
+
+            vllm_config = get_current_vllm_config()
+            encode = TQConfig.from_vllm(vllm_config).weights_lm_head
+            text_config = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+            if encode and getattr(text_config, "tie_word_embeddings", False):
+                raise ValueError("--tq-weights-lm-head: this model's output head shares the input embedding's weight "
+                                 f"(tie_word_embeddings), which --quantization {self.fmt.name} leaves as it is; serve "
+                                 "it without --tq-weights-lm-head")
+            self._encode_head = encode
+        return self._encode_head
 
 
 class TQ4Config(TQWeightConfig):
