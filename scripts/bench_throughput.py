@@ -46,9 +46,9 @@ each scenario then records the draft and accepted tokens; ``--prompt-period N`` 
 of N tokens repeated, so that an ngram drafter proposes from the first step.
 
 ``--repeat N`` runs every scenario N times in each engine, in rounds (all scenarios, then all again), on fresh
-prompts: the row is the median run by output tok/s, with the range and each run's timings (``repeats``). Where a
-scenario's time is mostly prefill (2048/512 x 384 on an MLA model), single runs of the same engine differ by up to
-20 %; the engine's start-up is most of a config's time, so repeats cost little.
+prompts: the row is the median run by output tok/s, with the range and each run's timings (``repeats``). Scenarios
+whose time is mostly prefill vary from run to run; the engine's start-up is most of a config's time, so repeats cost
+little.
 """
 
 from __future__ import annotations

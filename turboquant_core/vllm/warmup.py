@@ -238,14 +238,12 @@ def warmup_moe_eager_steps(model_runner) -> list[int]:
     last = model_runner.scheduler_config.max_num_batched_tokens
     graphs = not model_runner.model_config.enforce_eager and cc.cudagraph_mode.mixed_mode() != CUDAGraphMode.NONE
     first = (cc.max_cudagraph_capture_size or 0) + 1 if graphs else 1
-    counts = sorted({
-        m
-        for (w1, w2, top_k, experts, config_dtype, block_shape) in problems
-        for m in eager_moe_token_counts(
-            lambda m, w1=w1, w2=w2, top_k=top_k, c=config_dtype, b=block_shape: try_get_optimal_moe_config(
-                w1, w2, top_k, c, m, block_shape=list(b) if b else None),
-            top_k, experts, range(first, last + 1))
-    })
+    counts = set()
+    for w1, w2, top_k, experts, config_dtype, block_shape in problems:
+        config_for = functools.partial(try_get_optimal_moe_config, w1, w2, top_k, config_dtype,
+                                       block_shape=list(block_shape) if block_shape else None)
+        counts.update(eager_moe_token_counts(config_for, top_k, experts, range(first, last + 1)))
+    counts = sorted(counts)
     t0 = time.perf_counter()
     with counting_compiles() as count:
         for m in counts:
