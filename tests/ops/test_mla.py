@@ -368,10 +368,13 @@ print(json.dumps(seen))
 
 @pytest.mark.slow
 def test_wgmma_decode_keeps_its_output_product_in_flight():
-    """ptxas keeps the warpgroup-MMA decode's pipeline (the output product in flight while the next tile is looked
-    up): it serializes warpgroup MMAs (note C7515) where other instructions write an accumulator while one is in
-    flight, e.g. a path around the tile loop. And the two fp16 tiles with the copy stages fit an sm_90 program's
-    shared memory (227 KB), for every one-segment latent."""
+    """ptxas keeps the warpgroup-MMA decode's overlap (the output product in flight while the next tile's first
+    tokens are looked up): it serializes warpgroup MMAs (note C7515) where other instructions write an accumulator
+    while one is in flight, e.g. a path around the tile loop. And two programs fit an sm_90 SM (228 KB of shared
+    memory, 1 KB of it reserved per program; 64 K registers) for every one-segment latent, as the launcher's
+    ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
+    from turboquant_core.ops.mla import MLA_WGMMA_PROGRAMS_PER_SM
+
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
     p = subprocess.run([sys.executable, "-c", WGMMA_PIPELINE_PROBE], env=env, capture_output=True, text=True,
@@ -381,7 +384,9 @@ def test_wgmma_decode_keeps_its_output_product_in_flight():
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(res) == 3, res
     assert not any(r["serialized"] for r in res), res
-    assert all(r["stack"] == 0 and r["shared"] <= 227 * 1024 for r in res), res
+    per_sm = MLA_WGMMA_PROGRAMS_PER_SM
+    assert all(r["stack"] == 0 and per_sm * (r["shared"] + 1024) <= 228 * 1024 for r in res), res
+    assert all(per_sm * 128 * r["regs"] <= 64 * 1024 for r in res), res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -688,16 +693,16 @@ def test_decode_attention_split_count_changes_little(device):
 
 
 def test_split_counts_fill_waves_of_the_programs_each_kernel_fits_per_sm(monkeypatch):
-    """On a 132-SM GPU the split counts are the ones benchmarks/bench_mla_decode.py measured fastest (H100, 16
-    heads): for the register-tile kernel (two programs per SM) 4 at 64 x 1024, 2 at 384 x 2048 (1 left a wave half
-    full), 8 at 32 x 8192; for the warpgroup-MMA kernel (one per SM) 2, 1 and 4. One request takes as many as its
-    length allows."""
+    """On a 132-SM GPU the split counts fill the waves of the programs a kernel fits per SM: for the register-tile
+    kernel (two per SM) the ones benchmarks/bench_mla_decode.py measured fastest (H100, 16 heads), 4 at 64 x 1024, 2
+    at 384 x 2048 (1 left a wave half full), 8 at 32 x 8192; the warpgroup-MMA kernel fits two per SM too. One request
+    takes as many as its length allows."""
     from turboquant_core.ops import paged_attention
 
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert [mla_decode_splits(b, 16, n, cuda) for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [4, 2, 8]
-    assert [mla_decode_splits(b, 16, n, cuda, "wgmma") for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [2, 1, 4]
+    assert [mla_decode_splits(b, 16, n, cuda, "wgmma") for b, n in [(64, 1024), (384, 2048), (32, 8192)]] == [4, 2, 8]
     assert mla_decode_splits(1, 16, 8192, cuda) >= 31 and mla_decode_splits(2, 16, 100, cuda) == 1
 
 

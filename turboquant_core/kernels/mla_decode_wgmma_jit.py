@@ -6,15 +6,17 @@ The MLA latent is both key and value, DP = 512 (kv_lora_rank) coordinates read b
 serves one (request, block of 16 heads, KV split); the products are transposed so that MMA rows are tokens and latent
 coordinates and the 16 heads are the N = 16 columns. Per tile of 64 cached tokens:
 1. the latent's packed words (loaded into registers a tile ahead) are looked up into fp16 codebook values C [64, DP],
-   16 tokens at a time, and stored once into shared memory, with k_pe [64, 64] beside them;
+   16 tokens at a time, and stored once into shared memory; k_pe [64, 64] and the scales are copied in beside them
+   (asynchronous copies, STAGES tiles);
 2. S^T [64, 16] = C . Q'^T * a + Kpe . Qpe^T: C and Kpe are the A operands, the queries (stored once) the B operands;
 3. online softmax over the tokens (base 2); P^T * a to shared memory (fp16);
 4. O^T [DP, 16] += C^T . P^T: the same shared tile read transposed (an MN-major A operand, which 16-bit types may be),
    so the latent is looked up once per tile for both products.
-The output product is left in flight while the next tile is looked up, into the other of two fp16 tiles (by tile
-parity); that tile's score products queue behind it, and one wait takes all three. ptxas keeps such a pipeline only
-where nothing but warpgroup MMAs writes an accumulator between an MMA's issue and its wait, so every program runs at
-least one tile (an empty split's tokens all masked) and the loop has no path around it.
+One fp16 tile, the words in registers and two copy stages take about 103 KB of shared memory, so that two programs
+share each SM and one's lookup runs beside the other's products. The output product is left in flight while the next
+tile's first 16 tokens are looked up, and waited for before they are stored over the tile it reads; ptxas keeps such
+an overlap only where nothing but warpgroup MMAs writes an accumulator between an MMA's issue and its wait, so every
+program runs at least one tile (an empty split's tokens all masked) and the loop has no path around it.
 Position p = 8g + j of the tile holds field j of group g (the page's plane byte g), rotated coordinate j * DP/8 + g
 (``ops.mla.mla_wgmma_order``): the queries come in and the outputs leave in that order.
 """
@@ -45,20 +47,47 @@ def _fields_in_order(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 
 
 @gluon.jit
-def _stage_tile(CACHE, bt_row, stride_cb, start, hi, last_blk, stg_w, stg_pe, stg_sc, s, wr, wc, pr, pc, sr, sk,
-                PAGE: gl.constexpr, B: gl.constexpr, G: gl.constexpr, IDX_OFF: gl.constexpr, ROPE_OFF: gl.constexpr,
-                SC_OFF: gl.constexpr):
-    """Asynchronous copies of the 64-token tile at ``start`` into stage ``s``, one commit group (none where start >=
-    hi): the latent's B planes (stg_w[s*B + k] = plane k, [64 tok, G/4 words]), k_pe (stg_pe[s], [64, 64] bf16) and
-    the fp16 scales (stg_sc[s], [4, 16]). Each 16 tokens lie in one page (PAGE % 16 == 0); rows past the sequence
-    read its last page (their scores are masked)."""
+def _load_words(CACHE, bt_row, stride_cb, start, hi, last_blk, wt, ww, wk, PAGE: gl.constexpr, B: gl.constexpr,
+                G: gl.constexpr, IDX_OFF: gl.constexpr):
+    """The latent's plane words of the 16 tokens at ``start`` (one page: PAGE % 16 == 0), [16 tok, 16 words, 4
+    planes] int32 in the lookup's register layout; planes past B, and everything where start >= hi, zero. Rows past
+    the sequence read its last page (their scores are masked)."""
     live = start < hi
-    wpage = gl.load(bt_row + gl.minimum((start + wr) // PAGE, last_blk), mask=live, other=0).to(gl.int64)
-    wrow = (CACHE + wpage * stride_cb + IDX_OFF + ((start + wr) % PAGE) * (B * G)).to(gl.pointer_type(gl.int32),
-                                                                                     bitcast=True)
-    for k in gl.static_range(B):
-        async_copy.async_copy_global_to_shared(stg_w.index(s * B + k), wrow[:, None] + (k * (G // 4) + wc)[None, :],
-                                               mask=live & (wc >= 0)[None, :] & (wr >= 0)[:, None])
+    page = gl.load(bt_row + gl.minimum(start // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    row = (CACHE + page * stride_cb + IDX_OFF + ((start % PAGE) + wt) * (B * G)).to(gl.pointer_type(gl.int32),
+                                                                                  bitcast=True)
+    ptr = row[:, None, None] + ww[None, :, None] + (wk * (G // 4))[None, None, :]
+    return gl.load(ptr, mask=live & (wt >= 0)[:, None, None] & (ww >= 0)[None, :, None] & (wk < B)[None, None, :],
+                   other=0)
+
+
+@gluon.jit
+def _plane_words(words, w_l: gl.constexpr):
+    """[16 tok, 16 words, 4 planes] -> the 4 planes, [16, 16] each in ``w_l`` (a register relabelling)."""
+    even, odd = gl.split(gl.reshape(words, [16, 16, 2, 2]))
+    p0, p2 = gl.split(even)
+    p1, p3 = gl.split(odd)
+    return (gl.convert_layout(p0, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p1, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p2, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p3, w_l, assert_trivial=True).to(gl.uint32, bitcast=True))
+
+
+@gluon.jit
+def _tile_fields(words, c0, c1, c2, c3, c4, c5, c6, c7, w_l: gl.constexpr, B: gl.constexpr, DP: gl.constexpr):
+    """16 tokens' plane words -> their fp16 codebook values [16, DP] in the tile's order (position 8g + j)."""
+    p0, p1, p2, p3 = _plane_words(words, w_l)
+    f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.reshape(f, [16, DP])  # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
+
+
+@gluon.jit
+def _stage_rope(CACHE, bt_row, stride_cb, start, hi, last_blk, stg_pe, stg_sc, s, pr, pc, sr, sk, PAGE: gl.constexpr,
+                ROPE_OFF: gl.constexpr, SC_OFF: gl.constexpr):
+    """Asynchronous copies of the 64-token tile at ``start`` into stage ``s``, one commit group (none where start >=
+    hi): k_pe (stg_pe[s], [64, 64] bf16) and the fp16 scales (stg_sc[s], [4, 16]). Rows past the sequence read its
+    last page."""
+    live = start < hi
     ppage = gl.load(bt_row + gl.minimum((start + pr) // PAGE, last_blk), mask=live, other=0).to(gl.int64)
     prow = (CACHE + ppage * stride_cb + ROPE_OFF + ((start + pr) % PAGE) * 128).to(gl.pointer_type(gl.bfloat16),
                                                                                   bitcast=True)
@@ -105,13 +134,14 @@ def tq_mla_decode_wgmma_kernel(
     sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     # [16 tok, 16 words] of a plane: lanes 0-7 take 8 tokens, so that their 16-byte stores of one group's values land
-    # in 8 different bank groups of the swizzled tile; the staged planes are swizzled to keep these loads free of
-    # bank conflicts too
+    # in 8 different bank groups of the swizzled tile; the loads take all 4 planes (registers) of those words at once
     w_l: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], warp_bases=[[0, 4], [0, 8]],
         block_bases=[], shape=[16, 16])
+    w3_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]], lane_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
+        warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[16, 16, 4])
     r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe copies
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] plane word copies
     sc_l: gl.constexpr = gl.DistributedLinearLayout(  # [4 x 16 tokens] scale copies, 16 bytes per lane
         reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [1, 0], [2, 0], [0, 0], [0, 0]],
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
@@ -139,21 +169,26 @@ def tq_mla_decode_wgmma_kernel(
     qpe_hi = qpe.to(gl.bfloat16)
     qhi_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, qpe_hi)
     qlo_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, R], sm_l, (qpe - qpe_hi.to(gl.float32)).to(gl.bfloat16))
-    c_smem = gl.allocate_shared_memory(gl.float16, [2, BT, DP], sm_l)  # by tile parity
+    c_smem = gl.allocate_shared_memory(gl.float16, [BT, DP], sm_l)
     p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BT], sm_l)
-    stg_w = gl.allocate_shared_memory(gl.int32, [STAGES * B, BT, NW], gl.SwizzledSharedLayout(4, 2, 4, [1, 0]))
     stg_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, R], sm_l)
     stg_sc = gl.allocate_shared_memory(gl.float16, [STAGES, 4, 16], plain)
 
-    wr = gl.arange(0, BT, layout=gl.SliceLayout(1, wc_l))
-    wc = gl.arange(0, NW, layout=gl.SliceLayout(0, wc_l))
+    wt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
+    ww = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
+    wk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
     pr = gl.arange(0, BT, layout=gl.SliceLayout(1, r_l))
     sr = gl.arange(0, 4, layout=gl.SliceLayout(1, sc_l))
     sk = gl.arange(0, 16, layout=gl.SliceLayout(0, sc_l))
     ts = gl.arange(0, BT, layout=tok_l)
     for t in gl.static_range(STAGES - 1):
-        _stage_tile(CACHE, bt_row, stride_cb, lo + t * BT, hi, last_blk, stg_w, stg_pe, stg_sc, t, wr, wc, pr, rc, sr,
-                    sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
+        _stage_rope(CACHE, bt_row, stride_cb, lo + t * BT, hi, last_blk, stg_pe, stg_sc, t, pr, rc, sr, sk, PAGE,
+                    ROPE_OFF, SC_OFF)
+    # the first tile's words, 16 tokens each
+    w0 = _load_words(CACHE, bt_row, stride_cb, lo, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w1 = _load_words(CACHE, bt_row, stride_cb, lo + 16, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w2 = _load_words(CACHE, bt_row, stride_cb, lo + 32, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w3 = _load_words(CACHE, bt_row, stride_cb, lo + 48, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
 
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=col_l)
     l_acc = gl.zeros([BT, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
@@ -163,36 +198,38 @@ def tq_mla_decode_wgmma_kernel(
     for it in range(0, gl.maximum((hi - lo + BT - 1) // BT, 1)):
         start = lo + it * BT
         s = it % STAGES
-        c_t = c_smem.index(it % 2)
-        async_copy.wait_group(STAGES - 2)  # this tile's copies (the later tiles' stay in flight)
-        gl.thread_barrier()  # ... of every thread; and the previous tile's scores have read its stage
-        _stage_tile(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_w, stg_pe, stg_sc,
-                    (s + STAGES - 1) % STAGES, wr, wc, pr, rc, sr, sk, PAGE, B, G, IDX_OFF, ROPE_OFF, SC_OFF)
-        for i in gl.static_range(4):
-            p0 = stg_w.index(s * B).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
-            p1 = stg_w.index(s * B + 1).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
-            p2 = p0
-            p3 = p0
-            if B >= 3:
-                p2 = stg_w.index(s * B + 2).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
-            if B == 4:
-                p3 = stg_w.index(s * B + 3).slice(16 * i, 16).load(w_l).to(gl.uint32, bitcast=True)
-            f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
-            # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
-            c_t.slice(16 * i, 16).store(gl.reshape(f, [16, DP]))
+        nxt = start + BT
+        async_copy.wait_group(STAGES - 2)  # this tile's k_pe and scales (the later tiles' stay in flight)
+        _stage_rope(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_pe, stg_sc,
+                    (s + STAGES - 1) % STAGES, pr, rc, sr, sk, PAGE, ROPE_OFF, SC_OFF)
+        # each 16 tokens' words are looked up, then the next tile's loaded in their registers
+        f = _tile_fields(w0, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w0 = _load_words(CACHE, bt_row, stride_cb, nxt, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        # the previous tile's output product reads the fp16 tile: done, in every warp, before it is written
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()
+        c_smem.slice(0, 16).store(f)
+        f = _tile_fields(w1, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w1 = _load_words(CACHE, bt_row, stride_cb, nxt + 16, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(16, 16).store(f)
+        f = _tile_fields(w2, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w2 = _load_words(CACHE, bt_row, stride_cb, nxt + 32, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(32, 16).store(f)
+        f = _tile_fields(w3, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w3 = _load_words(CACHE, bt_row, stride_cb, nxt + 48, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(48, 16).store(f)
         tvalid = (start + ts) < hi
         sc = stg_sc.index(s)._reinterpret(gl.float16, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(tok_l)
         scf = gl.where(tvalid, sc.to(gl.float32), 0.0)
         fence_async_shared()
-        gl.thread_barrier()
+        gl.thread_barrier()  # every thread's part of the tile, and its copies of k_pe, before the products read them
 
         kpe = stg_pe.index(s)
-        # queued behind the previous tile's output product; one wait for both (warpgroup MMAs complete in order)
         zero = gl.zeros([BT, NQ], gl.float32, layout=mma)
-        s_c = warpgroup_mma(c_t, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_c = warpgroup_mma(c_smem, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
         s_pe = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
         s_pe = warpgroup_mma(kpe, qlo_smem.permute((1, 0)), s_pe, is_async=True)
-        acc, s_c, s_pe = warpgroup_mma_wait(0, deps=(acc, s_c, s_pe))
+        s_c, s_pe = warpgroup_mma_wait(0, deps=(s_c, s_pe))
         sco = gl.where(tvalid[:, None], s_c * scf[:, None] + s_pe, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sco, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -204,8 +241,8 @@ def tq_mla_decode_wgmma_kernel(
         p_smem.store(gl.permute((p * scf[:, None]).to(gl.float16), [1, 0]))
         fence_async_shared()
         gl.thread_barrier()
-        # left in flight: the next tile's lookup runs beside it, into the other fp16 tile
-        acc = warpgroup_mma(c_t.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :], is_async=True)
+        # left in flight: the next tile's first 16 tokens are looked up beside it
+        acc = warpgroup_mma(c_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :], is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     async_copy.wait_group(0)
 

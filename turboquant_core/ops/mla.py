@@ -124,7 +124,7 @@ MLA_DECODE_LAUNCH = MLADecodeLaunch()
 MLA_DECODE_HEADS = MLA_DECODE_LAUNCH.heads
 MLA_MIN_TOKENS_PER_SPLIT = 256
 MLA_PROGRAMS_PER_SM = 2  # the Triton and register-tile kernels' registers leave room for two programs per SM
-MLA_WGMMA_PROGRAMS_PER_SM = 1  # the warpgroup-MMA kernel's shared memory (two fp16 tiles and the copy stages) one
+MLA_WGMMA_PROGRAMS_PER_SM = 2  # the warpgroup-MMA kernel's shared memory (one fp16 tile, two copy stages): two
 MLA_WAVE_FILL_SLACK = 0.05
 MLA_MMA_WARPS = 4  # warps of the register-tile kernel, each holding DP / 4 latent coordinates
 MLA_MMA_BLOCK_N = 16
@@ -168,7 +168,7 @@ def mla_wgmma_order(dp: int) -> torch.Tensor:
 
 MLA_DECODE_KERNELS = ("wgmma", "mma", "triton")
 MLA_WGMMA_DECODE = True  # the warpgroup-MMA kernel where it applies (False: the register-tile kernel there)
-MLA_WGMMA_STAGES = 3  # tiles in shared memory: the one computed and the copies in flight ahead of it
+MLA_WGMMA_STAGES = 2  # k_pe tiles in shared memory: the one computed and the copies in flight ahead of it
 
 
 def mla_wgmma_applies(layout: MLAPagedLayout, device) -> bool:
