@@ -199,12 +199,16 @@ def engine_kwargs(args: argparse.Namespace, scenarios: list[tuple[int, int, int]
     enforce_eager, max_num_batched_tokens and cudagraph_sizes (comma list, empty: vLLM's); tensor_parallel_size
     when it has one (else 1)."""
     kv_cache_dtype, options = split_engine_options(args.kv_cache_dtype)
+    max_model_len = max(i + o for i, o, _ in scenarios) + 16
+    max_num_seqs = args.max_num_seqs or max(b for _, _, b in scenarios)
     kwargs = dict(
         model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype,
-        max_model_len=max(i + o for i, o, _ in scenarios) + 16,
-        max_num_seqs=args.max_num_seqs or max(b for _, _, b in scenarios),
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
-        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        # No more than the batch can hold: vLLM's dummy steps spread a full step over max_num_seqs requests, and
+        # requests longer than max_model_len run past their block tables (an illegal address at start-up, bf16 too).
+        max_num_batched_tokens=min(args.max_num_batched_tokens, max_num_seqs * max_model_len),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), **options,
     )
     if getattr(args, "speculative_config", None):
@@ -453,7 +457,7 @@ def worker(args: argparse.Namespace) -> None:
     # step, so chunked prefill's cached-context path is compiled too. Kernels compiled here after vLLM's own
     # warm-up still show in the JIT monitor's list.
     warm = [64] + [min(256, max_len - 16)] * min(8, kwargs["max_num_seqs"])
-    warm += [args.max_num_batched_tokens + 64] if args.max_num_batched_tokens + 72 <= max_len else []
+    warm += [kwargs["max_num_batched_tokens"] + 64] if kwargs["max_num_batched_tokens"] + 72 <= max_len else []
     llm.generate([{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(n)]} for n in warm],
                  SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0), use_tqdm=False)
     runs: list[list[dict]] = [[] for _ in scenarios]

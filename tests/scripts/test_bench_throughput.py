@@ -196,6 +196,10 @@ def test_engine_kwargs_and_env(bench, monkeypatch):
     kw = bench.engine_kwargs(args, bench.parse_scenarios("S1"))
     assert kw["max_num_seqs"] == 512 and kw["max_model_len"] == 1024 + 256 + 16 and kw["tensor_parallel_size"] == 2
     assert kw["compilation_config"] == {"cudagraph_capture_sizes": [32, 64]}
+    # A step no larger than the batch can hold: batch 8 of 256/256 holds 8 x 528 tokens.
+    args.max_num_seqs = 0
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("256x256x1,256x256x8"))
+    assert kw["max_model_len"] == 528 and kw["max_num_seqs"] == 8 and kw["max_num_batched_tokens"] == 8 * 528
     import os
 
     for var in ("HF_HUB_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER"):
