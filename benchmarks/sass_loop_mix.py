@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT_FORMATS = ("tq4", "tq3")  # formats.WEIGHT_FORMATS (not imported: this script runs without the package)
+COPY = re.compile(r"\s(?:IMAD\.MOV\.U32 R\d+, RZ, RZ,|IMAD\.U32 R\d+, RZ, RZ,|MOV R\d+,) (U?R\d+)(?:\.reuse)? ;")
 SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
 # Pipes of the ops the decode loop issues (sm_90): ALU for logic, permutes, shifts, compares and integer adds; FMA for
 # float and integer multiply-adds; the uniform datapath for U* ops (one value per warp); the rest named by what they
@@ -112,9 +113,10 @@ print(json.dumps(dict(kernels=["tq_linear_mma_kernel"], variants=out)))
 
 
 def loop_mix(sass: str, innermost: bool = False) -> dict:
-    """{instructions, ops: {op: count}, pipes: {pipe: count}} of the longest backward branch's body of one SASS
-    listing (addresses in bytes, 16 per instruction); with ``innermost``, of the longest body that holds no other
-    (a loop nested in another: the decode kernels' tile loop inside their loop over blocks)."""
+    """{instructions, ops: {op: count}, pipes: {pipe: count}, copies: {register, from_uniform}} of the longest
+    backward branch's body of one SASS listing (addresses in bytes, 16 per instruction); with ``innermost``, of the
+    longest body that holds no other (a loop nested in another: the decode kernels' tile loop inside their loop over
+    blocks)."""
     lines = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
     loops = []
     for addr, op, line in lines:
@@ -127,12 +129,20 @@ def loop_mix(sass: str, innermost: bool = False) -> dict:
         loops = [(t, a) for t, a in loops if not any(t <= t2 and a2 <= a and (t2, a2) != (t, a) for t2, a2 in loops)]
     best = max(loops, key=lambda ta: ta[1] - ta[0], default=None)
     if best is None:
-        return dict(instructions=0, ops={}, pipes={})
+        return dict(instructions=0, ops={}, pipes={}, copies=dict(register=0, from_uniform=0))
+    body = [line for addr, _, line in lines if best[0] <= addr <= best[1]]
     ops = collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
     pipes = collections.Counter()
     for op, n in ops.items():
         pipes[PIPE.get(op, "uniform" if op.startswith("U") or op == "R2UR" else "other")] += n
-    return dict(instructions=sum(ops.values()), ops=dict(ops.most_common()), pipes=dict(pipes.most_common()))
+    # Instructions that only copy a value: between registers (operand placement, e.g. an MMA's register quads), and
+    # out of uniform registers (a kernel argument such as a codebook word, rematerialized where it is used).
+    copies = collections.Counter()
+    for line in body:
+        if m := COPY.search(line):
+            copies["from_uniform" if m.group(1).startswith("U") else "register"] += 1
+    return dict(instructions=sum(ops.values()), ops=dict(ops.most_common()), pipes=dict(pipes.most_common()),
+                copies=dict(register=copies["register"], from_uniform=copies["from_uniform"]))
 
 
 def main(argv=None) -> int:
@@ -165,7 +175,7 @@ def main(argv=None) -> int:
         centred=args.centred, target="sm_90", variants=variants), indent=1))
     for i, v in enumerate(variants):
         print(f"{args.kernel} variant {i}: loop of {v['instructions']} instructions; pipes {v['pipes']}; "
-              f"ops {dict(list(v['ops'].items())[:10])}")
+              f"copies {v['copies']}; ops {dict(list(v['ops'].items())[:10])}")
     return 0
 
 
@@ -200,7 +210,7 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     for v in variants:
         print(f"tq_linear_mma_kernel {args.linear} rows {v['rows']}: {v['registers']} registers, loop of "
               f"{v['instructions']} instructions per group ({v['per_weight']:.2f} per weight); pipes {v['pipes']}; "
-              f"ops {dict(list(v['ops'].items())[:10])}")
+              f"copies {v['copies']}; ops {dict(list(v['ops'].items())[:10])}")
     return 0
 
 

@@ -22,7 +22,26 @@ def test_the_longest_backward_branch_is_the_loop_and_its_ops_are_counted_by_pipe
     assert mix["instructions"] == 5  # 0x10 .. 0x50: the later two-instruction loop is shorter
     assert mix["ops"] == {"PRMT": 2, "LOP3": 1, "HMMA": 1, "BRA": 1}
     assert mix["pipes"] == {"alu": 3, "tensor": 1, "control": 1}
-    assert loop_mix("        /*0000*/                   EXIT ;") == dict(instructions=0, ops={}, pipes={})
+    assert mix["copies"] == dict(register=0, from_uniform=0)
+    assert loop_mix("        /*0000*/                   EXIT ;") == dict(instructions=0, ops={}, pipes={},
+                                                                    copies=dict(register=0, from_uniform=0))
+
+
+def test_copies_between_registers_and_out_of_uniform_ones_are_counted():
+    """Moves that place an operand (register to register) and those that rematerialize a kernel argument out of a
+    uniform register; loads of constants, shifts written as multiplies and immediates are not copies."""
+    body = """
+        /*0000*/                   IMAD.MOV.U32 R62, RZ, RZ, R46 ;
+        /*0010*/                   IMAD.MOV.U32 R16, RZ, RZ, R96.reuse ;
+        /*0020*/                   MOV R3, R4 ;
+        /*0030*/                   IMAD.U32 R62, RZ, RZ, UR4 ;
+        /*0040*/                   MOV R3, UR5 ;
+        /*0050*/                   MOV R1, c[0x0][0x28] ;
+        /*0060*/                   IMAD.U32 R5, R6, 0x10000, RZ ;
+        /*0070*/                   IMAD.MOV.U32 R5, RZ, RZ, 0x1 ;
+        /*0080*/                   BRA 0x0 ;
+"""
+    assert loop_mix(body)["copies"] == dict(register=3, from_uniform=2)
 
 
 def test_an_unknown_weight_format_is_refused_with_the_valid_ones(tmp_path):
