@@ -106,12 +106,6 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
         nw = gl.load(wptr + g0 * 16).to(gl.uint32, bitcast=True)
     else:
         n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
-    # The codebook words as per-thread registers: a kernel argument lives in a uniform register, which the byte
-    # permutes cannot read, and the compiler copied it out again at every use (once per word and group).
-    zz = (prow >> 31).to(gl.uint32, bitcast=True)[:, None, None]  # 0 (rows are never negative), per thread
-    c0, c1, c2, c3 = c0 ^ zz, c1 ^ zz, c2 ^ zz, c3 ^ zz
-    if BITS != 4:
-        c4, c5, c6, c7 = c4 ^ zz, c5 ^ zz, c6 ^ zz, c7 ^ zz
     for gi in range(g0, g1):
         if WORDS:
             kw = nw
