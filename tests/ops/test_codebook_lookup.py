@@ -139,29 +139,21 @@ def _run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("sign_magnitude", [False, True], ids=["indices", "sign-magnitude"])
-def test_symmetric_lookup_returns_every_codebook_entry(d, sign_magnitude):
-    """``SYMMETRIC_LOOKUP8_ASM`` (Lloyd-Max indices) and ``SIGN_MAGNITUDE_LOOKUP8_ASM`` (the served kernel words'
-    fields, ``ops.weight_codec.sign_magnitude``) run instruction by instruction on the CPU with their pack-2 operands
-    (the word twice, each magnitude word of a 4-bit codebook twice: ``ops.paged_decode.codebook_magnitude_words``):
-    every field of random words, and every index value in every field, comes back as the fp16 bits of exactly its
-    codebook entry, neighbouring fields paired in one 32-bit output (field 2k in the low half)."""
-    from turboquant_core.kernels.codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM
+def test_symmetric_lookup_returns_every_codebook_entry(d):
+    """``SYMMETRIC_LOOKUP8_ASM`` run instruction by instruction on the CPU: with the magnitude words of a 4-bit
+    codebook (``ops.paged_decode.codebook_magnitude_words``), every field of random words, and every index value in
+    every field, comes back as the fp16 bits of exactly its codebook entry."""
     from turboquant_core.ops.paged_decode import codebook_magnitude_words
-    from turboquant_core.ops.weight_codec import sign_magnitude as to_sign_magnitude
 
     table = codebook_tensors(4, d, "cpu")[0].to(torch.float16)
     entry_bits = table.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).tolist()
-    mag = [w for w in codebook_magnitude_words(table) for _ in range(2)]
-    asm = SIGN_MAGNITUDE_LOOKUP8_ASM if sign_magnitude else SYMMETRIC_LOOKUP8_ASM
+    mag = list(codebook_magnitude_words(table))
     g = torch.Generator().manual_seed(d)
     fields = torch.randint(0, 16, (64, 8), generator=g)
     fields[:16] = torch.arange(16)[:, None]
     for f in fields.tolist():
-        stored = to_sign_magnitude(torch.tensor(f)).tolist() if sign_magnitude else f
-        word = sum(i << (4 * j) for j, i in enumerate(stored))
-        pairs = _run_ptx(asm.value, [word, word, *mag], 4)
-        assert [h for p in pairs for h in (p & 0xFFFF, p >> 16)] == [entry_bits[i] for i in f]
+        word = sum(i << (4 * j) for j, i in enumerate(f))
+        assert _run_ptx(SYMMETRIC_LOOKUP8_ASM.value, [word, *mag], 8) == [entry_bits[i] for i in f]
 
 
 def test_magnitude_words_refuse_a_codebook_that_is_not_symmetric():

@@ -33,10 +33,8 @@ PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of en
     "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
     "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
 # 16 entries of a codebook symmetric about zero (c[15 - i] = -c[i], entries ascending: the Lloyd-Max codebooks), all 8
-# fields of a word at once, for inline_asm_elementwise with pack=2 over the word joined with itself: $4 (and $5) the
-# word (field j in nibble j), $6 (and $7), $8 (and $9) low bytes of the magnitudes m[k] = c[8 + k], k = 0-7, $10 (and
-# $11), $12 (and $13) their high bytes; outputs $0-$3 the fp16 pairs of fields (0, 1), (2, 3), (4, 5), (6, 7), each as
-# the 32-bit register a tensor-core operand holds (field 2k in the low half). A field i < 8 is -m[7 - i], i >= 8 is
+# fields of a word at once: $8 the word (field j in nibble j), $9, $10 low bytes of the magnitudes m[k] = c[8 + k],
+# k = 0-7, $11, $12 their high bytes; outputs the fp16 values of fields 0-7. A field i < 8 is -m[7 - i], i >= 8 is
 # m[i - 8]: its magnitude index is i's bits 0-2, inverted unless bit 3 is set, and bit 3 clear sets the sign bit. One
 # permute looks up four magnitudes' low bytes, one their high bytes, one turns bits 3 of four fields into byte masks
 # (prmt's sign-replicating mode: bit 3 of field 2k+1 is byte k's top bit, that of field 2k the same byte's of the
@@ -44,19 +42,19 @@ PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of en
 # table of 16 entries takes eight.
 # Both lookups once m holds the 8 fields' magnitude indices (bits 0-2 of each nibble) and x4 the word shifted left by 4.
 _MAGNITUDE_LOOKUP8_BODY = (
-    "prmt.b32 l, $6, $8, m; prmt.b32 h, $10, $12, m; prmt.b32 s, $4, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; "
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0x9D8C; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; "
     "shr.b32 m, m, 16; "
-    "prmt.b32 l, $6, $8, m; prmt.b32 h, $10, $12, m; prmt.b32 s, $4, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
-    "prmt.b32 $2, l, h, 0x5140; prmt.b32 $3, l, h, 0x7362; }")
+    "prmt.b32 l, $9, $10, m; prmt.b32 h, $11, $12, m; prmt.b32 s, $8, x4, 0xBFAE; lop3.b32 h, h, s, 0x80808080, 0xF2; "
+    "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$4, $5}, p; mov.b32 {$6, $7}, q; }")
 SYMMETRIC_LOOKUP8_ASM = tl.constexpr(
-    "{ .reg .b32 t, m, x4, l, h, s; "
-    "shr.b32 t, $4, 3; and.b32 t, t, 0x11111111; mul.lo.u32 t, t, 7; xor.b32 m, $4, t; xor.b32 m, m, 0x77777777; "
-    "and.b32 m, m, 0x77777777; shl.b32 x4, $4, 4; " + _MAGNITUDE_LOOKUP8_BODY)
+    "{ .reg .b32 t, m, x4, l, h, s, p, q; "
+    "shr.b32 t, $8, 3; and.b32 t, t, 0x11111111; mul.lo.u32 t, t, 7; xor.b32 m, $8, t; xor.b32 m, m, 0x77777777; "
+    "and.b32 m, m, 0x77777777; shl.b32 x4, $8, 4; " + _MAGNITUDE_LOOKUP8_BODY)
 # The same over sign-magnitude fields (the served kernel words of ``ops.weight_codec``: a field i < 8 stored as
 # 7 - i): the magnitude index is the field's bits 0-2 as they are, one AND for all 8.
 SIGN_MAGNITUDE_LOOKUP8_ASM = tl.constexpr(
-    "{ .reg .b32 m, x4, l, h, s; and.b32 m, $4, 0x77777777; shl.b32 x4, $4, 4; " + _MAGNITUDE_LOOKUP8_BODY)
+    "{ .reg .b32 m, x4, l, h, s, p, q; and.b32 m, $8, 0x77777777; shl.b32 x4, $8, 4; " + _MAGNITUDE_LOOKUP8_BODY)
 
 
 @triton.jit

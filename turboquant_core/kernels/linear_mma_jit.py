@@ -41,17 +41,16 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
 def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
     """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
     ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words); with
-    SIGN_MAGNITUDE the fields are sign-magnitude (kernel words) and their rank is read, not computed. Each pair of
-    neighbouring fields stays in the 32-bit register the lookup builds it in, the one the MMA operand holds: the word
-    goes in joined with itself (pack 2), once per half of each output register."""
-    zero = gl.zeros_like(word)
-    m0, m1, m2, m3 = zero | m0, zero | m1, zero | m2, zero | m3
-    p0, p1, p2, p3 = gl.inline_asm_elementwise(
-        SIGN_MAGNITUDE_ASM if SIGN_MAGNITUDE else SYMMETRIC_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-        [gl.join(word, word), gl.join(m0, m0), gl.join(m1, m1), gl.join(m2, m2), gl.join(m3, m3)],
-        dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=2)
-    # [..., j0, j1, j2]: field 4 j2 + 2 j1 + j0
-    return gl.join(gl.join(p0, p1), gl.join(p2, p3)).to(gl.float16, bitcast=True)
+    SIGN_MAGNITUDE the fields are sign-magnitude (kernel words) and their rank is read, not computed."""
+    f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
+        SIGN_MAGNITUDE_ASM if SIGN_MAGNITUDE else SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+        [word, m0, m1, m2, m3],
+        dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
+    f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
+                      f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
+    f4, f5, f6, f7 = (f4.to(gl.float16, bitcast=True), f5.to(gl.float16, bitcast=True),
+                      f6.to(gl.float16, bitcast=True), f7.to(gl.float16, bitcast=True))
+    return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
 @gluon.jit(do_not_specialize=["num_rows"])
