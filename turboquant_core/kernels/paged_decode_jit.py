@@ -33,15 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .codebook_lookup_jit import (PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, PERMUTE_LOOKUP4_PAIRS_ASM_8,
-                                  PERMUTE_LOOKUP4_PAIRS_ASM_16, _lookup_selectors, _nibble_fields)
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _lookup_selectors, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
 ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
-PAIRS_ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_PAIRS_ASM_16.value)
-PAIRS_ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_PAIRS_ASM_8.value)
 
 
 @gluon.jit
@@ -69,24 +66,6 @@ def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
             dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
     return (a.to(gl.float16, bitcast=True), b.to(gl.float16, bitcast=True), c.to(gl.float16, bitcast=True),
             d.to(gl.float16, bitcast=True))
-
-
-@gluon.jit
-def _lookup4_pairs(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """``_lookup4`` with the values of nibbles (0, 1) and (2, 3) left in the 32-bit registers the lookup builds
-    them in (pack 2 over every input joined with itself): two fp16 tensors of ``sel``'s shape + [2]."""
-    zero = gl.zeros_like(sel)
-    s2 = gl.join(sel, sel)
-    if B == 4:
-        p, q = gl.inline_asm_elementwise(
-            PAIRS_ASM_16, "=r,=r" + ",r" * 20,
-            [s2, gl.join(half, half)] + [gl.join(zero | c, zero | c) for c in (c0, c1, c2, c3, c4, c5, c6, c7)],
-            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-    else:
-        p, q = gl.inline_asm_elementwise(
-            PAIRS_ASM_8, "=r,=r" + ",r" * 10, [s2] + [gl.join(zero | c, zero | c) for c in (c0, c1, c4, c5)],
-            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-    return p.to(gl.float16, bitcast=True), q.to(gl.float16, bitcast=True)
 
 
 @gluon.jit
