@@ -13,11 +13,16 @@ backward branch's body.
     python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --out decode-mix.json
     python benchmarks/sass_loop_mix.py --kernel tq_paged_decode_kernel --centred --out decode-mix-centred.json
     python benchmarks/sass_loop_mix.py --linear tq4 --rows 1,8,16 --out linear-mix.json
+    python benchmarks/sass_loop_mix.py --mla turboquant_k3v4_nc --out mla-mix.json
 
 ``--linear FORMAT`` reads the weight product instead (``ops.linear``'s register-tile kernel, ``tq_linear_mma_kernel``):
 one variant per ``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, split over the groups as the
 launcher splits it for 132 SMs), its loop being one group of 128 inputs for the program's output rows;
 ``per_weight`` is the loop's instructions per thread times 32 over the weights one warp decodes per group.
+
+``--mla PRESET`` reads the MLA decode's loop over token tiles, per thread, 16 heads: by default the warpgroup-MMA
+kernel Hopper serves (``tq_mla_decode_wgmma_kernel``, 64 tokens a tile), with ``--mla-kernel mma`` the register-tile
+one (16 tokens a tile).
 """
 
 from __future__ import annotations
@@ -76,6 +81,37 @@ for i, v in enumerate(v for v in found.values() if v.name == kernel):
         f.write(compile_variant(v).asm["cubin"])
     out.append(path)
 print(json.dumps(dict(kernels=names, cubins=out)))
+'''
+
+CHILD_MLA = r'''
+import json, sys
+import torch
+from triton.runtime.driver import driver
+
+from tests.ops.sm90_probe import Sm90Driver, resource_usage
+
+driver.set_active(Sm90Driver())
+from turboquant_core.ops import mla
+from turboquant_core.ops.compile_ahead import compile_variant, recording_variants
+from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
+
+mla._gluon_runs = lambda device: True
+preset, kernel, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
+lay = mla_paged_layout(preset, 16)
+with recording_variants() as found:
+    q, q_pe = torch.zeros(2, 16, 512, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+    mla.mla_decode_attention(q, q_pe, allocate_mla_cache(4, lay), lay, torch.zeros(2, 4, dtype=torch.int32),
+                             torch.tensor([10, 20], dtype=torch.int32), 0.1, num_splits=2, kernel=kernel)
+name = f"tq_mla_decode_{kernel}_kernel"
+out = []
+for i, v in enumerate(v for v in found.values() if v.name == name):
+    cubin = compile_variant(v).asm["cubin"]
+    path = f"{prefix}-{i}.cubin"
+    with open(path, "wb") as fh:
+        fh.write(cubin)
+    regs, stack = resource_usage(cubin)
+    out.append(dict(kernel=name, registers=regs, spill_bytes=stack, cubin=path))
+print(json.dumps(dict(variants=out)))
 '''
 
 CHILD_LINEAR = r'''
@@ -155,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--centred", action="store_true", help="keys stored with key centering (the serving default)")
     ap.add_argument("--linear", metavar="FORMAT", default=None, help="the weight product of tq4 or tq3 instead")
     ap.add_argument("--rows", default="1,8,16", help="with --linear: activation rows, one variant each")
+    ap.add_argument("--mla", metavar="PRESET", default=None, help="the MLA decode's tile loop for a latent preset")
+    ap.add_argument("--mla-kernel", choices=("wgmma", "mma"), default="wgmma", help="with --mla: which decode kernel")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     import triton
@@ -164,6 +202,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=os.path.join(scratch, "c"))
     if args.linear:
         return linear_main(args, argv, cuobjdump, scratch, env)
+    if args.mla:
+        return mla_main(args, argv, cuobjdump, scratch, env)
     found = run_child(CHILD, [args.preset, str(args.head_dim), str(args.q_heads), str(args.kv_heads),
                               "1" if args.centred else "0", args.kernel, os.path.join(scratch, "k")], env)
     if not found["cubins"]:
@@ -214,5 +254,24 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     return 0
 
 
+def mla_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
+    """``--mla``: the MLA decode kernel's tile loop for one latent preset (module docstring)."""
+    found = run_child(CHILD_MLA, [args.mla, args.mla_kernel, os.path.join(scratch, "k")], env)
+    if not found["variants"]:
+        raise SystemExit(f"{args.mla} launches no tq_mla_decode_{args.mla_kernel}_kernel (its latent is not one "
+                         "codebook segment)")
+    variants = [dict({k: v[k] for k in ("kernel", "registers", "spill_bytes")}, **loop_mix(sass_of(cuobjdump,
+                                                                                                v["cubin"])))
+                for v in found["variants"]]
+    args.out.write_text(json.dumps(dict(
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        preset=args.mla, mla_kernel=args.mla_kernel, heads=16, target="sm_90", variants=variants), indent=1))
+    for v in variants:
+        print(f"{v['kernel']} {args.mla}: {v['registers']} registers, {v['spill_bytes']} spill bytes, loop of "
+              f"{v['instructions']} instructions per tile; pipes {v['pipes']}; copies {v['copies']}; "
+              f"ops {dict(list(v['ops'].items())[:10])}")
+    return 0
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """benchmarks/sass_loop_mix.py without a GPU: the loop it finds in a SASS listing and how it counts it."""
 
+import pytest
+
 from benchmarks.sass_loop_mix import loop_mix
 
 SASS = """
@@ -45,11 +47,24 @@ def test_copies_between_registers_and_out_of_uniform_ones_are_counted():
 
 
 def test_an_unknown_weight_format_is_refused_with_the_valid_ones(tmp_path):
-    import pytest
-
     from benchmarks.sass_loop_mix import WEIGHT_FORMATS, main
     from turboquant_core.formats import WEIGHT_FORMATS as TABLE
 
     assert WEIGHT_FORMATS == tuple(TABLE)  # the script's copy of the format table's names
     with pytest.raises(SystemExit, match="unknown weight format 'tq5'; valid: tq4, tq3"):
         main(["--linear", "tq5", "--out", str(tmp_path / "mix.json")])
+
+
+@pytest.mark.slow
+def test_mla_mode_reads_the_warpgroup_mma_decode_tile_loop(tmp_path):
+    """``--mla``: the MLA decode kernel Hopper serves, compiled for sm_90 from the launcher's own launch, its tile
+    loop counted (it holds the warpgroup MMAs), with its registers and spills."""
+    import json
+
+    from benchmarks.sass_loop_mix import main
+
+    out = tmp_path / "mix.json"
+    assert main(["--mla", "turboquant_k3v4_nc", "--out", str(out)]) == 0
+    (v,) = json.loads(out.read_text())["variants"]
+    assert v["kernel"] == "tq_mla_decode_wgmma_kernel" and v["spill_bytes"] == 0 and v["registers"] <= 255
+    assert v["ops"]["HGMMA"] > 0 and v["instructions"] > 500
