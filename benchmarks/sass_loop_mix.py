@@ -272,6 +272,6 @@ def mla_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
               f"ops {dict(list(v['ops'].items())[:10])}")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
-
