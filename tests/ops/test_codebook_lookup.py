@@ -156,33 +156,6 @@ def test_symmetric_lookup_returns_every_codebook_entry(d):
         assert _run_ptx(SYMMETRIC_LOOKUP8_ASM.value, [word, *mag], 8) == [entry_bits[i] for i in f]
 
 
-@pytest.mark.parametrize("entries", [8, 16])
-def test_pair_lookups_return_what_the_single_value_lookups_return(entries):
-    """``PERMUTE_LOOKUP4_PAIRS_ASM_8`` / ``_16`` (pack 2: every input twice) run on the CPU model give the same fp16
-    bits as ``PERMUTE_LOOKUP4_ASM_8`` / ``_16`` for random selectors, halves and codebook words, nibbles 0 and 1
-    (2 and 3) paired in one 32-bit output, the first in its low half."""
-    from turboquant_core.kernels.codebook_lookup_jit import (
-        PERMUTE_LOOKUP4_ASM_8,
-        PERMUTE_LOOKUP4_ASM_16,
-        PERMUTE_LOOKUP4_PAIRS_ASM_8,
-        PERMUTE_LOOKUP4_PAIRS_ASM_16,
-    )
-
-    g = torch.Generator().manual_seed(entries)
-    for _ in range(200):
-        sel = int(torch.randint(0, 1 << 16, (), generator=g)) & 0x7777
-        half = int(torch.randint(0, 1 << 31, (), generator=g))
-        cb = [int(v) for v in torch.randint(0, 1 << 31, (8,), generator=g)]
-        if entries == 16:
-            single = _run_ptx(PERMUTE_LOOKUP4_ASM_16.value, [sel, half, *cb], 4)
-            pairs = _run_ptx(PERMUTE_LOOKUP4_PAIRS_ASM_16.value, [v for v in (sel, half, *cb) for _ in range(2)], 2)
-        else:
-            tables = [cb[0], cb[1], cb[4], cb[5]]
-            single = _run_ptx(PERMUTE_LOOKUP4_ASM_8.value, [sel, *tables], 4)
-            pairs = _run_ptx(PERMUTE_LOOKUP4_PAIRS_ASM_8.value, [v for v in (sel, *tables) for _ in range(2)], 2)
-        assert [h for p in pairs for h in (p & 0xFFFF, p >> 16)] == single
-
-
 def test_magnitude_words_refuse_a_codebook_that_is_not_symmetric():
     from turboquant_core.ops.paged_decode import codebook_magnitude_words
 

@@ -32,17 +32,6 @@ PERMUTE_LOOKUP4_ASM_16 = tl.constexpr(  # 16 entries: $5 the half each byte come
 PERMUTE_LOOKUP4_ASM_8 = tl.constexpr(  # up to 8 entries: $5, $6 low bytes of entries 0-7, $7, $8 high bytes
     "{ .reg .b32 l, h, p, q; prmt.b32 l, $5, $6, $4; prmt.b32 h, $7, $8, $4; "
     "prmt.b32 p, l, h, 0x5140; prmt.b32 q, l, h, 0x7362; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }")
-# The same two lookups for inline_asm_elementwise with pack=2 over the selector joined with itself (every input
-# twice: $2 (and $3) the selector, then the codebook words in the order above, each taking two operands); outputs $0,
-# $1 the fp16 pairs of nibbles (0, 1) and (2, 3) as 32-bit registers (nibble 0 and 2 in the low halves).
-PERMUTE_LOOKUP4_PAIRS_ASM_16 = tl.constexpr(  # $4 the half each byte comes from, $6-$12 even: entries' low bytes,
-    # $14-$20 even: their high bytes
-    "{ .reg .b32 l0, l1, h0, h1, l, h; "
-    "prmt.b32 l0, $6, $8, $2; prmt.b32 l1, $10, $12, $2; prmt.b32 h0, $14, $16, $2; prmt.b32 h1, $18, $20, $2; "
-    "prmt.b32 l, l0, l1, $4; prmt.b32 h, h0, h1, $4; prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; }")
-PERMUTE_LOOKUP4_PAIRS_ASM_8 = tl.constexpr(  # $4, $6 low bytes of entries 0-7, $8, $10 high bytes
-    "{ .reg .b32 l, h; prmt.b32 l, $4, $6, $2; prmt.b32 h, $8, $10, $2; "
-    "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; }")
 # 16 entries of a codebook symmetric about zero (c[15 - i] = -c[i], entries ascending: the Lloyd-Max codebooks), all 8
 # fields of a word at once: $8 the word (field j in nibble j), $9, $10 low bytes of the magnitudes m[k] = c[8 + k],
 # k = 0-7, $11, $12 their high bytes; outputs the fp16 values of fields 0-7. A field i < 8 is -m[7 - i], i >= 8 is

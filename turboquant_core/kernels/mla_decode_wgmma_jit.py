@@ -32,25 +32,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
-from .paged_decode_jit import _lookup4, _lookup4_pairs, _planes_to_words, _split_range
+from .paged_decode_jit import _lookup4, _planes_to_words, _split_range
 
 
 @gluon.jit
 def _fields_in_order(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """Words [16, 16, 4] -> the codebook values of their 8 fields as trailing dims (j2, j1, j0): field j = 4 j2 +
-    2 j1 + j0 in register j of the 8 (``paged_decode_jit._fields`` joins them the other way round), so that a
-    group's 8 values leave in one 16-byte store. Up to 8 entries each pair (j0) stays in the 32-bit register the
-    lookup builds it in (``_lookup4_pairs``); 16-entry codebooks take the single-value lookup, whose registers the
-    pairs' would spill past."""
+    """Words -> the codebook values of their 8 fields as trailing dims (j2, j1, j0): field j = 4 j2 + 2 j1 + j0 in
+    register j of the 8 (``paged_decode_jit._fields`` joins them the other way round), so that a group's 8 values
+    leave in one 16-byte store."""
     x, half = _lookup_selectors(_nibble_fields(word, B), B)
-    if B == 4:
-        f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
-        f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
-        return gl.join(gl.join(gl.join(f0, f4), gl.join(f2, f6)), gl.join(gl.join(f1, f5), gl.join(f3, f7)))
-    else:
-        p01, p23 = _lookup4_pairs(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
-        p45, p67 = _lookup4_pairs(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
-        return gl.permute(gl.join(gl.join(p01, p23), gl.join(p45, p67)), [0, 1, 2, 5, 4, 3])  # j0, j1, j2 -> j2, j1, j0
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.join(gl.join(gl.join(f0, f4), gl.join(f2, f6)), gl.join(gl.join(f1, f5), gl.join(f3, f7)))
 
 
 @gluon.jit

@@ -33,15 +33,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .codebook_lookup_jit import (PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, PERMUTE_LOOKUP4_PAIRS_ASM_8,
-                                  PERMUTE_LOOKUP4_PAIRS_ASM_16, _lookup_selectors, _nibble_fields)
+from .codebook_lookup_jit import PERMUTE_LOOKUP4_ASM_8, PERMUTE_LOOKUP4_ASM_16, _lookup_selectors, _nibble_fields
 from .codec_jit import _rotate_rows, _unrotate_rows
 from .key_centering_jit import _center_query_operands
 
 ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_ASM_16.value)
 ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_ASM_8.value)
-PAIRS_ASM_16 = gl.constexpr(PERMUTE_LOOKUP4_PAIRS_ASM_16.value)
-PAIRS_ASM_8 = gl.constexpr(PERMUTE_LOOKUP4_PAIRS_ASM_8.value)
 
 
 @gluon.jit
@@ -72,31 +69,12 @@ def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 
 
 @gluon.jit
-def _lookup4_pairs(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """``_lookup4`` with the values of nibbles (0, 1) and (2, 3) left in the 32-bit registers the lookup builds
-    them in (pack 2 over every input joined with itself): two fp16 tensors of ``sel``'s shape + [2]."""
-    zero = gl.zeros_like(sel)
-    s2 = gl.join(sel, sel)
-    if B == 4:
-        p, q = gl.inline_asm_elementwise(
-            PAIRS_ASM_16, "=r,=r" + ",r" * 20,
-            [s2, gl.join(half, half)] + [gl.join(zero | c, zero | c) for c in (c0, c1, c2, c3, c4, c5, c6, c7)],
-            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-    else:
-        p, q = gl.inline_asm_elementwise(
-            PAIRS_ASM_8, "=r,=r" + ",r" * 10, [s2] + [gl.join(zero | c, zero | c) for c in (c0, c1, c4, c5)],
-            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-    return p.to(gl.float16, bitcast=True), q.to(gl.float16, bitcast=True)
-
-
-@gluon.jit
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
-    """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2), each pair (j0) in
-    the 32-bit register the lookup builds it in (``_lookup4_pairs``): the MMA operand's register."""
+    """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
     x, half = _lookup_selectors(_nibble_fields(word, B), B)
-    p01, p23 = _lookup4_pairs(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
-    p45, p67 = _lookup4_pairs(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
-    return gl.join(gl.join(p01, p23), gl.join(p45, p67))
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
 @gluon.constexpr_function
