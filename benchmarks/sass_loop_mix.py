@@ -166,15 +166,15 @@ def loop_mix(sass: str, innermost: bool = False) -> dict:
     best = max(loops, key=lambda ta: ta[1] - ta[0], default=None)
     if best is None:
         return dict(instructions=0, ops={}, pipes={}, copies=dict(register=0, from_uniform=0))
-    body = [line for addr, _, line in lines if best[0] <= addr <= best[1]]
-    ops = collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
+    body = [(op, line) for addr, op, line in lines if best[0] <= addr <= best[1]]
+    ops = collections.Counter(op for op, _ in body)
     pipes = collections.Counter()
     for op, n in ops.items():
         pipes[PIPE.get(op, "uniform" if op.startswith("U") or op == "R2UR" else "other")] += n
     # Instructions that only copy a value: between registers (operand placement, e.g. an MMA's register quads), and
     # out of uniform registers (a kernel argument such as a codebook word, rematerialized where it is used).
     copies = collections.Counter()
-    for line in body:
+    for _, line in body:
         if m := COPY.search(line):
             copies["from_uniform" if m.group(1).startswith("U") else "register"] += 1
     return dict(instructions=sum(ops.values()), ops=dict(ops.most_common()), pipes=dict(pipes.most_common()),
