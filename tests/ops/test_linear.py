@@ -25,13 +25,13 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("path", ["register-tile", "decoded"])
-@pytest.mark.parametrize("fmt,served", [("tq4", True), ("tq4", False), ("tq3", False)],
-                         ids=["tq4-served", "tq4-planar8", "tq3"])
+@pytest.mark.parametrize("fmt,served", [("tq4", True), ("tq4", False), ("tq3", True), ("tq3", False)],
+                         ids=["tq4-served", "tq4-planar8", "tq3-served", "tq3-planar8"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
                                           (48, 576, 3), (96, 320, 40)])
 def test_kernel_matches_the_rotated_reference(fmt, served, out, inp, rows, path, device, monkeypatch):
     """Both ways the launcher runs a product: the register-tile kernel (GPUs) and the decoded weight + GEMM, over
-    tq4 weights as served (kernel words) and as stored (planar8)."""
+    weights as served (kernel words) and as stored (planar8)."""
     if path == "register-tile" and device != "cuda":
         pytest.skip("the register-tile kernel runs PTX the interpreter cannot")
     monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", MMA_MAX_ROWS if path == "register-tile" else 0)
@@ -122,7 +122,7 @@ from turboquant_core.ops.linear import MMA_MAX_ROWS, tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight, served_layout
 
 weights = [quantize_weight(torch.randn(64, 2048), fmt) for fmt in ("tq4", "tq3")]
-weights.append(served_layout(weights[0]))  # tq4 as served: kernel words
+weights += [served_layout(w) for w in weights]  # as served: kernel words
 for w in weights:
     for dtype in (torch.bfloat16, torch.float16):
         tq_linear(torch.randn(MMA_MAX_ROWS + 1, 2048, dtype=dtype), w)
@@ -135,13 +135,13 @@ for w in weights:
 
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
-    """Every variant (both formats, tq4 also as served, and both activation types; the decoded weight and its
+    """Every variant (both formats, as stored and as served, and both activation types; the decoded weight and its
     rotation; the register-tile kernel with 8, 16 and 32 columns and its rotation) compiles for sm_90, the register
     codebook lookups the interpreter cannot run included, with no register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
-    want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 6 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 9
+    want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 8 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 12
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
 

@@ -176,7 +176,7 @@ def test_sign_magnitude_fields_rank_the_magnitudes():
 
 def test_kernel_words_are_the_planes_merged_per_slot():
     """Served tq4 (``served_layout``): word w of a group holds byte w of each plane (plane k in byte k), its fields
-    in sign-magnitude form; the same bytes, decoded alike, and back to planar8 exactly. tq3 is served as stored."""
+    in sign-magnitude form; the same bytes, decoded alike, and back to planar8 exactly."""
     w = quantize_weight(_weight(heavy=True), "tq4")
     served = served_layout(w)
     served.check()
@@ -190,17 +190,38 @@ def test_kernel_words_are_the_planes_merged_per_slot():
     assert torch.equal(words, want)
     assert torch.equal(dequantize_weight(served), dequantize_weight(w))
     assert served_layout(served) is served
-    tq3 = quantize_weight(_weight(), "tq3")
-    assert served_layout(tq3) is tq3
+
+
+def test_tq3_kernel_words_hold_each_lane_groups_four_words_in_three():
+    """Served tq3: with N_w the group word w (byte k: plane k's byte w) spread to one 3-bit field per nibble, slot
+    3l + i holds N_{4l+i} with bit i of N_{4l+3}'s fields in the nibbles' bit 3; the same bits, decoded alike, and
+    back to planar8 exactly (every byte value of every plane)."""
+    w = quantize_weight(_weight(heavy=True), "tq3")
+    served = served_layout(w)
+    served.check()
+    assert served.kernel_words and served.packed.dtype == torch.int32 and served.packed.shape == (96, 3, 12)
+    assert served.nbytes() == w.nbytes() and served.scales is w.scales
+    assert torch.equal(from_kernel_words(served.packed), w.packed)
+    assert torch.equal(dequantize_weight(served), dequantize_weight(w))
+    planes = w.packed.to(torch.int64).reshape(96, 3, 3, 16)
+    word = planes[:, :, 0] | (planes[:, :, 1] << 8) | (planes[:, :, 2] << 16)  # [96, 3, 16]
+    nib = sum(((word >> (3 * j)) & 7) << (4 * j) for j in range(8)).reshape(96, 3, 4, 4)
+    slots = (served.packed.to(torch.int64) & 0xFFFFFFFF).reshape(96, 3, 4, 3)
+    for i in range(3):
+        assert torch.equal(slots[..., i] & 0x77777777, nib[..., i])
+        assert torch.equal((slots[..., i] >> 3) & 0x11111111, (nib[..., 3] >> i) & 0x11111111)
+    every = torch.arange(256, dtype=torch.uint8).repeat(3, 1).reshape(2, 8, 48)  # each byte in each plane position
+    assert torch.equal(from_kernel_words(to_kernel_words(every)), every)
+    assert served_layout(served) is served
 
 
 def test_kernel_words_refuse_what_they_do_not_hold():
     w = quantize_weight(_weight(), "tq4")
-    with pytest.raises(ValueError, match="4-bit planar8 groups"):
-        to_kernel_words(quantize_weight(_weight(), "tq3").packed)
+    with pytest.raises(ValueError, match="4-bit or 3-bit planar8 groups"):
+        to_kernel_words(w.packed[..., :32])
     with pytest.raises(ValueError, match="expected kernel words int32"):
         from_kernel_words(w.packed)
-    with pytest.raises(ValueError, match=r"packed indices must be uint8 \(96, 3, 48\), got int32"):
+    with pytest.raises(ValueError, match=r"packed indices must be int32 \(96, 3, 12\), got int32 \(96, 3, 16\)"):
         TQWeight("tq3", to_kernel_words(w.packed), w.scales, 384).check()
     with pytest.raises(ValueError, match=r"packed indices must be int32 \(96, 3, 16\), got int32 \(96, 2, 16\)"):
         TQWeight("tq4", to_kernel_words(w.packed)[:, :2], w.scales, 384).check()

@@ -54,8 +54,8 @@ def test_linear_layers_encode_at_load_and_compute_the_rotated_product(vllm_linea
         weight, x = torch.randn(out, inp, generator=g) * 0.05, torch.randn(5, inp, generator=g)
         bias = torch.randn(out, generator=g) if layer is col else None
         _load(layer, weight, bias)
-        q = served_layout(quantize_weight(weight, name))  # tq4 as kernel words, tq3 as stored
-        assert layer.weight.dtype == (torch.int32 if name == "tq4" else torch.uint8)
+        q = served_layout(quantize_weight(weight, name))  # as kernel words
+        assert layer.weight.dtype == torch.int32
         assert torch.equal(layer.weight, q.packed) and torch.equal(layer.weight_scale, q.scales)
         got = layer(x)[0]
         want = tq_linear_reference(x, q, bias)

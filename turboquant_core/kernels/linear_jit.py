@@ -78,22 +78,39 @@ def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, strid
 
 
 @triton.jit
+def _words_of_3bit_slots(row_ptr, row_mask):
+    """tq3 kernel words (``ops.weight_codec``: a lane group's four words in slots 3l..3l+2, row_ptr [BO, 1] at a
+    group's 12) -> its 16 group words, one field per nibble, [BO, 16] uint32 (word 4l + i)."""
+    lg = tl.arange(0, 4)[None, :] * 3
+    m = row_mask[:, None]
+    s0 = tl.load(row_ptr + lg, mask=m, other=0).to(tl.uint32)
+    s1 = tl.load(row_ptr + lg + 1, mask=m, other=0).to(tl.uint32)
+    s2 = tl.load(row_ptr + lg + 2, mask=m, other=0).to(tl.uint32)
+    n3 = ((s0 >> 3) & 0x11111111) | ((s1 >> 2) & 0x22222222) | ((s2 >> 1) & 0x44444444)
+    n = tl.join(tl.join(s0 & 0x77777777, s2 & 0x77777777), tl.join(s1 & 0x77777777, n3))  # [BO, 4, 2, 2]: i = 2a + b
+    return tl.reshape(n, (row_ptr.shape[0], 16))
+
+
+@triton.jit
 def tq_dequant_kernel(W, S, TABLE, OUT, out_features, groups, stride_out, BITS: tl.constexpr, BLOCK_O: tl.constexpr,
                       WORDS: tl.constexpr = False):
     """OUT [out, groups * 128] (OUT's type, rows stride_out apart) = sqrt(2) * s * c[idx] of group (program 1) for
-    BLOCK_O rows (program 0), in kernel order. W: planar8 bytes, or with WORDS kernel words (int32 [out, groups,
-    16]) and TABLE indexed by their sign-magnitude fields."""
+    BLOCK_O rows (program 0), in kernel order. W: planar8 bytes, or with WORDS kernel words (``ops.weight_codec``:
+    int32 [out, groups, 4 * BITS]) and TABLE indexed by their nibble fields (16 entries)."""
     DT: tl.constexpr = OUT.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
     gi = tl.program_id(1)
     row_mask = rows < out_features
     w_row = rows.to(tl.int64) * groups
-    if WORDS:
+    FB: tl.constexpr = 4 if WORDS else BITS  # kernel words hold one field per nibble
+    if WORDS and BITS == 3:
+        word = _words_of_3bit_slots(W + (w_row + gi)[:, None] * 12, row_mask)
+    elif WORDS:
         slot = tl.arange(0, 16)
         word = tl.load(W + (w_row + gi)[:, None] * 16 + slot[None, :], mask=row_mask[:, None], other=0).to(tl.uint32)
     else:
         word = _load_words(W, (w_row + gi) * (16 * BITS), row_mask, 0, 16, 16, BITS)
-    w_tile = _dequant_words(word, TABLE, _codebook_registers(TABLE, BITS, tl.float16), BLOCK_O, 16, BITS)
+    w_tile = _dequant_words(word, TABLE, _codebook_registers(TABLE, FB, tl.float16), BLOCK_O, 16, FB)
     s = tl.load(S + w_row + gi, mask=row_mask, other=0.0).to(tl.float32) * SQRT2
     d = tl.arange(0, GROUP)
     ptr = OUT + rows.to(tl.int64)[:, None] * stride_out + gi * GROUP + d[None, :]

@@ -23,10 +23,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
-from .paged_decode_jit import _fields, _load_planes, _planes_to_words, key_word_layout
+from .paged_decode_jit import _fields, _load_planes, _nibble_fields_lookup, _planes_to_words, key_word_layout
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 SIGN_MAGNITUDE_ASM = gl.constexpr(SIGN_MAGNITUDE_LOOKUP8_ASM.value)
+# tq3 kernel words: a lane group's three slots -> its four group words, one field per nibble (``ops.weight_codec``)
+SLOTS3_TO_NIBBLES_ASM = gl.constexpr(
+    "{ .reg .b32 t, u; and.b32 $0, $4, 0x77777777; and.b32 $1, $5, 0x77777777; and.b32 $2, $6, 0x77777777; "
+    "shr.b32 t, $4, 3; and.b32 t, t, 0x11111111; shr.b32 u, $5, 2; and.b32 u, u, 0x22222222; or.b32 t, t, u; "
+    "shr.b32 u, $6, 1; and.b32 u, u, 0x44444444; or.b32 $3, t, u; }")
 
 
 @gluon.jit
@@ -53,14 +58,24 @@ def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
+@gluon.jit
+def _nibble_words_of_slots(s0, s1, s2):
+    """tq3 kernel words: slots [..., L] -> the lane groups' four group words, one field per nibble, [..., L, 4]."""
+    n0, n1, n2, n3 = gl.inline_asm_elementwise(SLOTS3_TO_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r", [s0, s1, s2],
+                                               dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
+                                               pack=1)
+    return gl.reshape(gl.join(gl.join(n0, n2), gl.join(n1, n3)), [s0.shape[0], s0.shape[1], 4])
+
+
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SPLIT: gl.constexpr, WORDS: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
-    [out, groups, 16 * BITS] (planar8 per group), or with WORDS (4-bit) the kernel words int32 [out, groups, 16]
-    (``ops.weight_codec``: each thread's four words one 16-byte load, no plane merge); S fp16 [out, groups];
+    [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
+    (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
+    whose fields are already one per nibble); S fp16 [out, groups];
     c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
     rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
     k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
@@ -98,7 +113,13 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     # The next group's words (or planes) are loaded before this group's are decoded: two loads in flight per warp.
-    if WORDS:  # word (row, lane group l, g) at 16 words per group and row: slot 4 l + g, the thread's four adjacent
+    if WORDS and BITS == 3:  # slots 3 l + i (i < 3) of lane group l, at 12 words per group and row
+        sl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * 3
+        sptr = W + (prow.to(gl.int64) * groups * 12)[:, None] + sl[None, :]
+        n0 = gl.load(sptr + g0 * 12).to(gl.uint32, bitcast=True)
+        n1 = gl.load(sptr + g0 * 12 + 1).to(gl.uint32, bitcast=True)
+        n2 = gl.load(sptr + g0 * 12 + 2).to(gl.uint32, bitcast=True)
+    elif WORDS:  # word (row, lane group l, g) at 16 words per group and row: slot 4 l + g, the thread's four adjacent
         wl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l))
         wg = gl.arange(0, GR, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
         wptr = (W + (prow.to(gl.int64) * groups * 16)[:, None, None] + (wl * GR)[None, :, None]
@@ -107,7 +128,14 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     else:
         n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
     for gi in range(g0, g1):
-        if WORDS:
+        if WORDS and BITS == 3:
+            p0, p1, p2 = n0, n1, n2
+            nptr = sptr + gl.minimum(gi + 1, g1 - 1) * 12
+            n0 = gl.load(nptr).to(gl.uint32, bitcast=True)
+            n1 = gl.load(nptr + 1).to(gl.uint32, bitcast=True)
+            n2 = gl.load(nptr + 2).to(gl.uint32, bitcast=True)
+            kw = gl.convert_layout(_nibble_words_of_slots(p0, p1, p2), kw_l, assert_trivial=True)
+        elif WORDS:
             kw = nw
             nw = gl.load(wptr + gl.minimum(gi + 1, g1 - 1) * 16).to(gl.uint32, bitcast=True)
         else:
@@ -117,6 +145,8 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
             kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
         if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
             kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
+        elif WORDS:
+            kf = _nibble_fields_lookup(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
         else:
             kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
         kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)

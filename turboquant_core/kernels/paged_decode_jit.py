@@ -71,7 +71,13 @@ def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 @gluon.jit
 def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """Words -> the codebook values of their 8 fields, joined as three trailing dims (j0, j1, j2)."""
-    x, half = _lookup_selectors(_nibble_fields(word, B), B)
+    return _nibble_fields_lookup(_nibble_fields(word, B), c0, c1, c2, c3, c4, c5, c6, c7, B)
+
+
+@gluon.jit
+def _nibble_fields_lookup(nib, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+    """``_fields`` of words whose 8 fields are already one per nibble (``codebook_lookup_jit._nibble_fields``)."""
+    x, half = _lookup_selectors(nib, B)
     f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
     f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))

@@ -42,13 +42,16 @@ def mma_tiles(rows: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _codebook(fmt_name: str, device: str, sign_magnitude_fields: bool = False) -> torch.Tensor:
-    """The format's codebook (float32), indexed by Lloyd-Max index, or by the sign-magnitude fields of kernel
-    words (``weight_codec.sign_magnitude``)."""
+def _codebook(fmt_name: str, device: str, kernel_words: bool = False) -> torch.Tensor:
+    """The format's codebook (float32), indexed by Lloyd-Max index, or as the kernel words' nibble fields index it
+    (``weight_codec``): 4-bit ones in sign-magnitude form (``weight_codec.sign_magnitude``), 3-bit ones as they are
+    (16 entries, the 8 a field's clear bit 3 reaches repeated)."""
     fmt = get_weight_format(fmt_name)
     cb = codebook_tensors(fmt.bits, fmt.group_size, "cpu")[0].float()
-    if sign_magnitude_fields:
+    if kernel_words and fmt.bits == 4:
         cb = cb[sign_magnitude(torch.arange(cb.numel()))]
+    elif kernel_words:
+        cb = cb.repeat(16 // cb.numel())
     return cb.to(device)
 
 

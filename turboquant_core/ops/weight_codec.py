@@ -16,12 +16,18 @@ un-rotates a weight (``tq_linear_reference``).
 Storage (``TQWeight``), exact bytes: ``packed`` uint8 [out, G, 128 * bits / 8], each group's indices in the
 ``planar8`` layout (``packing``), and ``scales`` float16 [out, G]: out * G * (16 * bits + 2) bytes.
 
-Served layout (``served_layout``): tq4 weights reach the kernels as kernel words, the same bytes rearranged once at
-load: ``packed`` int32 [out, G, 16], word w of a group holding byte w of each of its four planes (byte k of the
-word, little-endian: plane k), so the word's 8 fields are coordinates w, w + 16, ..., w + 112, the word the
-register-tile product would otherwise assemble from four plane loads; and each field in sign-magnitude form
-(``sign_magnitude``): bits 0-2 the rank of the codebook value's magnitude, bit 3 set for the positive half. A
-thread's four words are one 16-byte load, and a field's magnitude rank is one AND. Checkpoints keep ``planar8``.
+Served layout (``served_layout``): weights reach the kernels as kernel words, the same bits rearranged once at load.
+The register-tile product would otherwise assemble group word w (byte k: plane k's byte w; its 8 fields coordinates
+w, w + 16, ..., w + 112) from the planes and, for 3-bit fields, spread the fields to one per nibble (the selectors
+of its byte-permute lookups); a thread takes the four words 4l..4l+3 of a group (its lane group l).
+- tq4: ``packed`` int32 [out, G, 16], word w the group word w, each field in sign-magnitude form
+  (``sign_magnitude``): bits 0-2 the rank of the codebook value's magnitude, bit 3 set for the positive half. A
+  thread's four words are one 16-byte load, and a field's magnitude rank is one AND.
+- tq3: ``packed`` int32 [out, G, 12], a lane group's four words in three (slots 3l, 3l + 1, 3l + 2): with N_i the
+  group word 4l + i spread to one field per nibble (bits 0-2), slot 3l + i holds N_i with bit i of N_3's field j in
+  bit 3 of nibble j (i = 0, 1, 2). A thread's words are one 12-byte read; N_i = slot & 0x77777777, and N_3 gathers
+  the three bit-3 columns back (``kernels.linear_mma_jit``).
+Checkpoints keep ``planar8``.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from ..rotation import rotate
 
 # Rows encoded per step: bounds the float32 temporaries of a large layer (rows x in x 4 B x a few).
 ENCODE_ROWS = 1024
-# Bit widths served as kernel words (see the module docstring): 4-bit fields fill a word from four planes.
-KERNEL_WORD_BITS = (4,)
+# Bit widths served as kernel words (see the module docstring).
+KERNEL_WORD_BITS = (4, 3)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class TQWeight:
     """A linear weight [out_features, in_features] in a TurboQuant weight format (see the module docstring)."""
 
     format: str
-    packed: torch.Tensor  # uint8 [out, groups, group_size * bits / 8]; served tq4: int32 [out, groups, 16]
+    packed: torch.Tensor  # uint8 [out, groups, group_size * bits / 8]; served: int32 [out, groups, 4 * bits]
     scales: torch.Tensor  # float16 [out, groups]
     in_features: int
 
@@ -123,20 +129,70 @@ def _sign_magnitude_bytes(packed: torch.Tensor) -> torch.Tensor:
     return sign_magnitude(lo) | (sign_magnitude(hi) << 4)
 
 
+NIBBLE_MASK = 0x77777777  # bits 0-2 of every nibble
+
+
+def _spread_3bit(words: torch.Tensor) -> torch.Tensor:
+    """int64 words of eight 3-bit fields (field j in bits 3j..3j+2) -> one field per nibble (bits 4j..4j+2)."""
+    return sum(((words >> (3 * j)) & 7) << (4 * j) for j in range(8))
+
+
+def _pack_3bit(nibbles: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_spread_3bit``."""
+    return sum(((nibbles >> (4 * j)) & 7) << (3 * j) for j in range(8))
+
+
+# Groups converted per step: the int64 temporaries of a step stay near 100 MB whatever the layer.
+KERNEL_WORD_CHUNK = 1 << 16
+
+
+def _to_3bit_words(packed: torch.Tensor) -> torch.Tensor:
+    flat = packed.reshape(-1, 48)
+    steps = []
+    for g0 in range(0, flat.shape[0], KERNEL_WORD_CHUNK):
+        planes = flat[g0:g0 + KERNEL_WORD_CHUNK].to(torch.int64).reshape(-1, 3, 16)
+        n = _spread_3bit(planes[:, 0] | (planes[:, 1] << 8) | (planes[:, 2] << 16)).reshape(-1, 4, 4)  # [., l, i]
+        slots = torch.stack([n[..., i] | (((n[..., 3] >> i) & 0x11111111) << 3) for i in range(3)], -1)
+        steps.append(_as_int32(slots.reshape(-1, 12)))
+        del planes, n, slots
+    # allocated once the temporaries are freed (as the encoding's kept tensors should be: INDEX.md, 6aed6be)
+    return torch.cat(steps).reshape(*packed.shape[:-1], 12) if steps else flat.new_empty(*packed.shape[:-1], 12,
+                                                                                           dtype=torch.int32)
+
+
+def _from_3bit_words(words: torch.Tensor) -> torch.Tensor:
+    slots = words.to(torch.int64).reshape(*words.shape[:-1], 4, 3) & 0xFFFFFFFF
+    n3 = sum(((slots[..., i] >> 3) & 0x11111111) << i for i in range(3))
+    n = torch.stack([slots[..., i] & NIBBLE_MASK for i in range(3)] + [n3], -1).reshape(*words.shape[:-1], 16)
+    w = _pack_3bit(n)
+    return torch.stack([(w >> (8 * k)) & 0xFF for k in range(3)], -2).reshape(*words.shape[:-1], 48).to(torch.uint8)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values of 32 bits -> the int32 of the same bits."""
+    return (x - ((x & 0x80000000) << 1)).to(torch.int32)
+
+
 def to_kernel_words(packed: torch.Tensor) -> torch.Tensor:
-    """planar8 bytes of 4-bit fields uint8 [..., G, 64] -> kernel words int32 [..., G, 16] (module docstring)."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] != 64:
-        raise ValueError(f"kernel words are made from 4-bit planar8 groups (uint8 [..., 64]), got "
-                         f"{str(packed.dtype).removeprefix('torch.')} {tuple(packed.shape)}")
+    """planar8 bytes of 4-bit fields uint8 [..., G, 64] -> kernel words int32 [..., G, 16], or of 3-bit fields
+    uint8 [..., G, 48] -> int32 [..., G, 12] (module docstring)."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] not in (64, 48):
+        raise ValueError(f"kernel words are made from 4-bit or 3-bit planar8 groups (uint8 [..., 64] or [..., 48]), "
+                         f"got {str(packed.dtype).removeprefix('torch.')} {tuple(packed.shape)}")
+    if packed.shape[-1] == 48:
+        return _to_3bit_words(packed)
     planes = _sign_magnitude_bytes(packed).reshape(*packed.shape[:-1], 4, 16)
     return planes.transpose(-1, -2).contiguous().view(torch.int32).reshape(*packed.shape[:-1], 16)
 
 
 def from_kernel_words(words: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``to_kernel_words``: kernel words int32 [..., G, 16] -> planar8 bytes uint8 [..., G, 64]."""
-    if words.dtype != torch.int32 or words.shape[-1] != 16:
-        raise ValueError(f"expected kernel words int32 [..., 16], got {str(words.dtype).removeprefix('torch.')} "
-                         f"{tuple(words.shape)}")
+    """The inverse of ``to_kernel_words``: kernel words int32 [..., G, 16] -> planar8 bytes uint8 [..., G, 64],
+    or int32 [..., G, 12] -> uint8 [..., G, 48]."""
+    if words.dtype != torch.int32 or words.shape[-1] not in (16, 12):
+        raise ValueError(f"expected kernel words int32 [..., 16] or [..., 12], got "
+                         f"{str(words.dtype).removeprefix('torch.')} {tuple(words.shape)}")
+    if words.shape[-1] == 12:
+        return _from_3bit_words(words)
     slots = words.contiguous().view(torch.uint8).reshape(*words.shape[:-1], 16, 4)
     return _sign_magnitude_bytes(slots.transpose(-1, -2).reshape(*words.shape[:-1], 64))
 
