@@ -107,7 +107,9 @@ def quantize_weight(weight: torch.Tensor, fmt: WeightFormat | str) -> TQWeight:
         code = q.quantize(rows.reshape(rows.shape[0], groups, gs))
         packed[r0:r0 + rows.shape[0]] = pack_indices(code.idx, fmt.bits)
         scales[r0:r0 + rows.shape[0]] = code.scale.to(torch.float16)
-    return TQWeight(fmt.name, packed, scales, in_features)
+    # The kept tensors are allocated once the encoding's temporaries are freed: allocated before them, the caching
+    # allocator's blocks held up to 18 % more than their bytes on a GPU (benchmarks/results/INDEX.md, 6aed6be).
+    return TQWeight(fmt.name, packed.clone(), scales.clone(), in_features)
 
 
 def pad_to_groups(x: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
