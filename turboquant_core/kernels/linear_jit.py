@@ -12,7 +12,7 @@ Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R
   the served kernel words (``ops.weight_codec``: one int32 per slot, sign-magnitude fields looked up in a table
   reordered to match).
 - ``tq_rotate_fp16_kernel``: the activation operand of ``linear_mma_jit`` (its own K order, fp16 with a power-of-two
-  scale per row and group).
+  scale per row and group), rotated by sign flips and butterflies: a decode batch's rotation reads no matrix.
 """
 
 import triton
@@ -62,19 +62,39 @@ def tq_rotate_kernel(X, ROT, XR, num_rows, in_features, stride_x, stride_xr, BLO
 
 
 @triton.jit
-def tq_rotate_fp16_kernel(X, ROT, XQ, XS, num_rows, in_features, stride_x, stride_xq, stride_xs,
-                          BLOCK_B: tl.constexpr):
-    """For ``linear_mma_jit``: XQ fp16 [num_rows, groups * 128] and XS fp32 [num_rows, groups] such that
-    XS * XQ = R x per group (R the format's rotation; ROT [128, 128] in X's type the unnormalised rotation, +-1,
-    its columns in the MMA kernel's K order), XQ scaled by a power of two per (row, group) into [-2^14, 2^14]:
-    fp16 keeps its 11 bits there whatever the activation's range. BLOCK_B rows (program 0), one group
-    (program 1)."""
-    bs, gi, col, b_mask, xr = _rotated_group(X, ROT, num_rows, in_features, stride_x, BLOCK_B)  # sqrt(128) R x
-    amax = tl.max(tl.abs(xr), axis=1)
-    scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
-    tl.store(XQ + bs.to(tl.int64)[:, None] * stride_xq + col[None, :], (xr / scale[:, None]).to(tl.float16),
-             mask=b_mask[:, None])
-    tl.store(XS + bs.to(tl.int64) * stride_xs + gi, scale * 0.08838834764831845, mask=b_mask)  # / sqrt(128)
+def _butterfly(x, H: tl.constexpr):
+    """One stage of the Walsh-Hadamard transform of x [GROUP]: coordinates c and c + H (c's bit H clear) become
+    their sum and difference."""
+    a, b = tl.split(tl.permute(tl.reshape(x, [GROUP // (2 * H), 2, H]), [0, 2, 1]))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [GROUP])
+
+
+@triton.jit
+def _fwht(x):
+    """x [GROUP] -> its unnormalised Walsh-Hadamard transform (``rotation.fwht``, Sylvester order): seven butterfly
+    stages, 7 * GROUP additions instead of a GROUP x GROUP product."""
+    for s in tl.static_range(7):
+        x = _butterfly(x, 1 << s)
+    return x
+
+
+# Rows and groups are the grid: nothing is specialized, one variant serves every decode batch.
+@triton.jit
+def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs):
+    """For ``linear_mma_jit``: XQ fp16 [rows, groups * 128] and XS fp32 [rows, groups] such that XS * XQ = R x per
+    group (R = H D / sqrt(128) the format's rotation: SIGNS [128] D's diagonal, +-1 fp32, H the Sylvester Hadamard
+    matrix; POS [128] int32 the MMA kernel's K position of each rotated coordinate), XQ scaled by a power of two per
+    (row, group) into [-2^14, 2^14]: fp16 keeps its 11 bits there whatever the activation's range. One row (program
+    0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane."""
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1)
+    d = tl.arange(0, GROUP)
+    col = gi * GROUP + d
+    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
+    xr = _fwht(x * tl.load(SIGNS + d))  # sqrt(128) R x: exact sign flips, fp32 sums
+    scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 14.0)
+    tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), (xr / scale).to(tl.float16))
+    tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
 
 
 @triton.jit

@@ -126,13 +126,28 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def mma_rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
     """M [128, 128] in ``dtype``, entries +-1: x_g @ M is sqrt(128) R x_g with its coordinates in the register-tile
-    kernel's K order (``ops.paged_decode.decode_key_order``)."""
+    kernel's K order (``ops.paged_decode.decode_key_order``). What ``mma_rotation_tables`` apply as butterflies."""
     from .paged_decode import decode_key_order
 
     fmt = get_weight_format(fmt_name)
     gs = fmt.group_size
     m = fwht(torch.eye(gs) * hadamard_signs(gs, fmt.seed))[:, decode_key_order(gs)]
     return m.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def mma_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signs fp32 [128], positions int32 [128]) of ``linear_jit.tq_rotate_fp16_kernel``: D's diagonal of the
+    format's rotation R = H D / sqrt(128), and the register-tile kernel's K position of each rotated coordinate
+    (the inverse of ``ops.paged_decode.decode_key_order``). Made once per device."""
+    from .paged_decode import decode_key_order
+
+    fmt = get_weight_format(fmt_name)
+    gs = fmt.group_size
+    order = decode_key_order(gs)
+    pos = torch.empty(gs, dtype=torch.int32)
+    pos[order] = torch.arange(gs, dtype=torch.int32)
+    return hadamard_signs(gs, fmt.seed).to(device), pos.to(device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,9 +176,8 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     groups = fmt.groups(w.in_features)
     xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    tq_rotate_fp16_kernel[(triton.cdiv(rows, 16), groups)](
-        x, mma_rotation_operand(fmt.name, dev, x.dtype), xq, xs, rows, w.in_features, x.stride(0), xq.stride(0),
-        xs.stride(0), BLOCK_B=16)
+    tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features, x.stride(0),
+                                          xq.stride(0), xs.stride(0), num_warps=1)
     bn, nq = mma_tiles(rows)
     grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
