@@ -35,37 +35,6 @@ from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
 from .paged_decode_jit import _lookup4, _planes_to_words, _split_range
 
 
-@gluon.constexpr_function
-def _word_bases(B: int):
-    """(register, lane, warp) bases of a [16 tok, 16 words] plane. Lanes 0-7 take 8 tokens, so that their 16-byte
-    stores of one group's values land in 8 different bank groups of the swizzled tile. Up to 3 planes a thread holds
-    two adjacent words of one token, so that a plane's loads read 8 tokens x 32 bytes, whole sectors; 4 planes keep
-    one word of two tokens (half sectors), as two words spill at 255 registers."""
-    if B <= 3:
-        return [[0, 1]], [[1, 0], [2, 0], [4, 0], [0, 2], [0, 4]], [[0, 8], [8, 0]]
-    return [[8, 0]], [[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], [[0, 4], [0, 8]]
-
-
-@gluon.constexpr_function
-def _plane_word_layout(B: int):
-    """[16 tok, 16 words] of one plane, the lookup's layout (``_word_bases``)."""
-    reg, lane, warp = _word_bases(B)
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[16, 16])
-
-
-@gluon.constexpr_function
-def _word_load_layout(B: int):
-    """[16 tok, 16 words, 4 planes]: ``_plane_word_layout`` with the 4 planes of each word in registers, the word
-    pairs first (a plane's two words in one 8-byte load)."""
-    reg, lane, warp = _word_bases(B)
-    three = lambda bases: [b + [0] for b in bases]  # noqa: E731
-    planes = [[0, 0, 1], [0, 0, 2]]
-    regs = three(reg) + planes if B <= 3 else planes + three(reg)
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=three(lane), warp_bases=three(warp), block_bases=[],
-                                      shape=[16, 16, 4])
-
-
 @gluon.jit
 def _fields_in_order(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
     """Words -> the codebook values of their 8 fields as trailing dims (j2, j1, j0): field j = 4 j2 + 2 j1 + j0 in
@@ -164,8 +133,14 @@ def tq_mla_decode_wgmma_kernel(
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
     sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    w_l: gl.constexpr = _plane_word_layout(B)
-    w3_l: gl.constexpr = _word_load_layout(B)
+    # [16 tok, 16 words] of a plane: lanes 0-7 take 8 tokens, so that their 16-byte stores of one group's values land
+    # in 8 different bank groups of the swizzled tile; the loads take all 4 planes (registers) of those words at once
+    w_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], warp_bases=[[0, 4], [0, 8]],
+        block_bases=[], shape=[16, 16])
+    w3_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]], lane_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
+        warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[16, 16, 4])
     r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe copies
     sc_l: gl.constexpr = gl.DistributedLinearLayout(  # [4 x 16 tokens] scale copies, 16 bytes per lane
         reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [1, 0], [2, 0], [0, 0], [0, 0]],
