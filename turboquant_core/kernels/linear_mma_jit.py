@@ -24,7 +24,6 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _nibble_fields_lookup, _planes_to_words, key_word_layout
-from .paged_decode_wgmma_jit import _grid_dependency_wait
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 SIGN_MAGNITUDE_ASM = gl.constexpr(SIGN_MAGNITUDE_LOOKUP8_ASM.value)
@@ -72,7 +71,7 @@ def _nibble_words_of_slots(s0, s1, s2):
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, WORDS: gl.constexpr, PDL: gl.constexpr = False):
+                         SPLIT: gl.constexpr, WORDS: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -80,9 +79,7 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
     rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
     k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
-    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y. ``PDL``: launched as a
-    programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
-    grid."""
+    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -130,8 +127,6 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
         nw = gl.load(wptr + g0 * 16).to(gl.uint32, bitcast=True)
     else:
         n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
-    if PDL:
-        _grid_dependency_wait()  # the rotated activation
     for gi in range(g0, g1):
         if WORDS and BITS == 3:
             p0, p1, p2 = n0, n1, n2

@@ -29,7 +29,6 @@ MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (li
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
 MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
-MMA_PDL = True  # on sm_90 and later: the product a programmatic dependent of the rotation, its prologue beside it
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
@@ -167,27 +166,18 @@ def _gluon_runs(device: str) -> bool:
     return runs(device)
 
 
-@functools.lru_cache(maxsize=8)
-def _pdl_runs(device: str) -> bool:
-    """Programmatic dependent launch: CUDA GPUs of sm_90 and later."""
-    dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
-
-
 def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
     from ..kernels.linear_jit import tq_rotate_fp16_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
     from .paged_attention import _sm_count
-    from .paged_decode import _pdl_launch
 
     fmt = w.fmt
     rows, dev = x.shape[0], str(x.device)
     groups = fmt.groups(w.in_features)
     xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    pdl = bool(MMA_PDL) and _pdl_runs(dev)
     tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features, x.stride(0),
-                                          xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
+                                          xq.stride(0), xs.stride(0), num_warps=1)
     bn, nq = mma_tiles(rows)
     grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
     tiles = grid_o * grid_b
@@ -206,7 +196,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     tq_linear_mma_kernel[(grid_o, grid_b, splits)](
         xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
         per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
-        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1, **_pdl_launch(pdl))
+        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
     return y
 
 
