@@ -44,7 +44,6 @@ from turboquant_core.ops.mla_reference import (
     mla_store_ref,
     read_mla_slots,
 )
-from turboquant_core.ops.paged_decode import decode_key_order
 from turboquant_core.packing import pack_indices
 from turboquant_core.quantizer import FP8_MAX, split_segments
 
@@ -595,16 +594,13 @@ def test_register_tile_order_gives_each_warp_its_own_groups():
         assert sorted(set(groups.tolist())) == list(range(16 * w, 16 * w + 16))
 
 
-def test_warpgroup_order_is_four_chunks_in_the_register_tile_decode_order():
-    """The warpgroup-MMA kernel's order is a permutation of the 512 rotated coordinates in four chunks of 128: chunk c
-    holds groups 16c.. (the page's plane bytes 16c..), in the register-tile decode's order of a 128-wide head."""
+def test_warpgroup_order_puts_each_group_in_eight_consecutive_positions():
+    """The warpgroup-MMA kernel's order is a permutation of the 512 rotated coordinates in which positions 8g..8g+7
+    are the 8 fields of group g (coordinate j*64 + g), as the kernel stores a group's looked-up values."""
     order = mla_wgmma_order(512)
     assert torch.equal(order.sort().values, torch.arange(512))
-    local = decode_key_order(128)
-    for c in range(4):
-        chunk = order[128 * c : 128 * (c + 1)]
-        assert torch.equal(chunk % 64, 16 * c + local % 16)
-        assert torch.equal(chunk // 64, local // 16)
+    assert torch.equal(order.view(64, 8) % 64, torch.arange(64)[:, None].expand(64, 8))
+    assert torch.equal(order.view(64, 8) // 64, torch.arange(8)[None, :].expand(64, 8))
 
 
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc"])

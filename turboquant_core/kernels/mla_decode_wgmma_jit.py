@@ -4,18 +4,21 @@
 
 The MLA latent is both key and value, DP = 512 (kv_lora_rank) coordinates read by every query head. One warpgroup
 serves one (request, block of 16 heads, KV split); the products are transposed so that MMA rows are tokens and latent
-coordinates and the 16 heads are the N = 16 columns. Per tile of 64 cached tokens, in four chunks of 128 coordinates
-(the page's plane bytes 16c..):
-1. each warp looks its 16 tokens' chunk up straight into the warpgroup MMA's A registers (the register-tile decode's
-   lookup and layout, ``paged_decode_jit.key_word_layout(128, 16, 4)``), issues S^T [64, 16] += C_c . Q'_c^T from
-   them, and stores the chunk into the fp16 tile C [64, DP] in shared memory; the planes load two chunks ahead;
-2. k_pe [64, 64] and the scales are copied in beside the tile (asynchronous copies, STAGES tiles); S^T gains
-   Kpe . Qpe^T and the scale a;
+coordinates and the 16 heads are the N = 16 columns. Per tile of 64 cached tokens:
+1. the latent's packed words (loaded into registers a tile ahead) are looked up into fp16 codebook values C [64, DP],
+   16 tokens at a time, and stored once into shared memory; k_pe [64, 64] and the scales are copied in beside them
+   (asynchronous copies, STAGES tiles);
+2. S^T [64, 16] = C . Q'^T * a + Kpe . Qpe^T: C and Kpe are the A operands, the queries (stored once) the B operands;
 3. online softmax over the tokens (base 2); P^T * a to shared memory (fp16);
-4. O^T [DP, 16] += C^T . P^T: the tile read transposed (an MN-major A operand, which 16-bit types may be).
-The score product reads no shared memory for the latent; only the output product reads the tile. The output product
-is left in flight while the next tile's first chunk is looked up, and waited for before the chunk is stored over the
-tile it reads. Queries come in and outputs leave in ``ops.mla.mla_wgmma_order``.
+4. O^T [DP, 16] += C^T . P^T: the same shared tile read transposed (an MN-major A operand, which 16-bit types may be),
+   so the latent is looked up once per tile for both products.
+One fp16 tile, the words in registers and two copy stages take about 103 KB of shared memory, so that two programs
+share each SM and one's lookup runs beside the other's products. The output product is left in flight while the next
+tile's first 16 tokens are looked up, and waited for before they are stored over the tile it reads; ptxas keeps such
+an overlap only where nothing but warpgroup MMAs writes an accumulator between an MMA's issue and its wait, so every
+program runs at least one tile (an empty split's tokens all masked) and the loop has no path around it.
+Position p = 8g + j of the tile holds field j of group g (the page's plane byte g), rotated coordinate j * DP/8 + g
+(``ops.mla.mla_wgmma_order``): the queries come in and the outputs leave in that order.
 """
 
 from triton.experimental import gluon
@@ -28,54 +31,54 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .paged_decode_jit import _fields, _planes_to_words, _split_range, key_word_layout
-
-
-@gluon.constexpr_function
-def _chunk_load_layout():
-    """[64 tok, 4 lane groups, 4 planes] int32: ``paged_decode_jit.key_word_layout(128, 16, 4)``'s threads (warp w
-    tokens 16 w.., lanes 2-4 tokens 0-7 of them, lanes 0-1 the lane group) with the 4 planes in registers."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]], lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 4])
+from .codebook_lookup_jit import _lookup_selectors, _nibble_fields
+from .paged_decode_jit import _lookup4, _planes_to_words, _split_range
 
 
 @gluon.jit
-def _tile_rows(CACHE, bt_row, stride_cb, start, hi, last_blk, tt, PAGE: gl.constexpr, B: gl.constexpr,
-               G: gl.constexpr, IDX_OFF: gl.constexpr):
-    """The byte address of each of the 64 tokens' index rows of the tile at ``start``; tokens past the sequence read
-    its last page, and a tile at or past ``hi`` page 0 (their scores are masked)."""
-    tok = start + tt
-    page = gl.load(bt_row + gl.minimum(tok // PAGE, last_blk), mask=start < hi, other=0).to(gl.int64)
-    return CACHE + page * stride_cb + IDX_OFF + (tok % PAGE) * (B * G)
+def _fields_in_order(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+    """Words -> the codebook values of their 8 fields as trailing dims (j2, j1, j0): field j = 4 j2 + 2 j1 + j0 in
+    register j of the 8 (``paged_decode_jit._fields`` joins them the other way round), so that a group's 8 values
+    leave in one 16-byte store."""
+    x, half = _lookup_selectors(_nibble_fields(word, B), B)
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.join(gl.join(gl.join(f0, f4), gl.join(f2, f6)), gl.join(gl.join(f1, f5), gl.join(f3, f7)))
 
 
 @gluon.jit
-def _load_chunk(rows, cg, cp, chunk: gl.constexpr, B: gl.constexpr, G: gl.constexpr):
-    """Plane bytes 16 chunk .. 16 chunk + 15 of the 64 tokens at ``rows`` (``_tile_rows``), [64 tok, 4 lane groups,
-    4 planes] int32 in ``_chunk_load_layout``: lane group l's 4 bytes 16 chunk + 4 l of each plane (planes past B
-    zero)."""
-    ptr = (rows[:, None, None] + (16 * chunk + 4 * cg)[None, :, None] + (G * cp)[None, None, :]).to(
-        gl.pointer_type(gl.int32), bitcast=True)
-    return gl.load(ptr, mask=(cg >= 0)[None, :, None] & (cp < B)[None, None, :], other=0)
+def _load_words(CACHE, bt_row, stride_cb, start, hi, last_blk, wt, ww, wk, PAGE: gl.constexpr, B: gl.constexpr,
+                G: gl.constexpr, IDX_OFF: gl.constexpr):
+    """The latent's plane words of the 16 tokens at ``start`` (one page: PAGE % 16 == 0), [16 tok, 16 words, 4
+    planes] int32 in the lookup's register layout; planes past B, and everything where start >= hi, zero. Rows past
+    the sequence read its last page (their scores are masked)."""
+    live = start < hi
+    page = gl.load(bt_row + gl.minimum(start // PAGE, last_blk), mask=live, other=0).to(gl.int64)
+    row = (CACHE + page * stride_cb + IDX_OFF + ((start % PAGE) + wt) * (B * G)).to(gl.pointer_type(gl.int32),
+                                                                                  bitcast=True)
+    ptr = row[:, None, None] + ww[None, :, None] + (wk * (G // 4))[None, None, :]
+    return gl.load(ptr, mask=live & (wt >= 0)[:, None, None] & (ww >= 0)[None, :, None] & (wk < B)[None, None, :],
+                   other=0)
 
 
 @gluon.jit
-def _chunk_fields(words, c0, c1, c2, c3, c4, c5, c6, c7, kp_l: gl.constexpr, kw_l: gl.constexpr,
-                  a_op: gl.constexpr, B: gl.constexpr):
-    """A chunk's loaded planes (``_load_chunk``) -> their codebook values [64 tok, 128] in the warpgroup MMA's
-    A-operand registers, position k of the chunk in ``ops.paged_decode.decode_key_order(128)`` (the register-tile
-    decode's lookup and layout, warps over tokens)."""
-    even, odd = gl.split(gl.reshape(words, [64, 4, 2, 2]))
+def _plane_words(words, w_l: gl.constexpr):
+    """[16 tok, 16 words, 4 planes] -> the 4 planes, [16, 16] each in ``w_l`` (a register relabelling)."""
+    even, odd = gl.split(gl.reshape(words, [16, 16, 2, 2]))
     p0, p2 = gl.split(even)
     p1, p3 = gl.split(odd)
-    kw = gl.convert_layout(_planes_to_words(gl.convert_layout(p0, kp_l, assert_trivial=True),
-                                            gl.convert_layout(p1, kp_l, assert_trivial=True),
-                                            gl.convert_layout(p2, kp_l, assert_trivial=True),
-                                            gl.convert_layout(p3, kp_l, assert_trivial=True), B, 4),
-                           kw_l, assert_trivial=True)
-    kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, B)  # [64, 4, 4, j0, j1, j2]
-    return gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [64, 128]), a_op, assert_trivial=True)
+    return (gl.convert_layout(p0, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p1, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p2, w_l, assert_trivial=True).to(gl.uint32, bitcast=True),
+            gl.convert_layout(p3, w_l, assert_trivial=True).to(gl.uint32, bitcast=True))
+
+
+@gluon.jit
+def _tile_fields(words, c0, c1, c2, c3, c4, c5, c6, c7, w_l: gl.constexpr, B: gl.constexpr, DP: gl.constexpr):
+    """16 tokens' plane words -> their fp16 codebook values [16, DP] in the tile's order (position 8g + j)."""
+    p0, p1, p2, p3 = _plane_words(words, w_l)
+    f = _fields_in_order(_planes_to_words(p0, p1, p2, p3, B, 4), c0, c1, c2, c3, c4, c5, c6, c7, B)
+    return gl.reshape(f, [16, DP])  # [16 tok, 16 words, 4 groups, j2, j1, j0] -> position 8g + j
 
 
 @gluon.jit
@@ -122,17 +125,22 @@ def tq_mla_decode_wgmma_kernel(
     NQ: gl.constexpr = 16  # heads per program: the MMA's columns
     R: gl.constexpr = 64  # rope coordinates
     G: gl.constexpr = DP // 8
-    gl.static_assert(DP == 512, "four chunks of 128 latent coordinates")
+    NW: gl.constexpr = G // 4  # plane words (4 groups each) per token
+    gl.static_assert(NW == 16, "the word layout covers 16 words (64 groups) per token")
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
     sm_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    kw_l: gl.constexpr = key_word_layout(128, 16, 4)  # a chunk's words: warp w tokens 16 w..
-    kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
-    ld_l: gl.constexpr = _chunk_load_layout()
+    # [16 tok, 16 words] of a plane: lanes 0-7 take 8 tokens, so that their 16-byte stores of one group's values land
+    # in 8 different bank groups of the swizzled tile; the loads take all 4 planes (registers) of those words at once
+    w_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 2]], warp_bases=[[0, 4], [0, 8]],
+        block_bases=[], shape=[16, 16])
+    w3_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]], lane_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0]],
+        warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[16, 16, 4])
     r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, DP] queries, [64, 64] k_pe copies
     sc_l: gl.constexpr = gl.DistributedLinearLayout(  # [4 x 16 tokens] scale copies, 16 bytes per lane
         reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [1, 0], [2, 0], [0, 0], [0, 0]],
@@ -166,9 +174,9 @@ def tq_mla_decode_wgmma_kernel(
     stg_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, R], sm_l)
     stg_sc = gl.allocate_shared_memory(gl.float16, [STAGES, 4, 16], plain)
 
-    tt = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld_l)))
-    cg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld_l)))
-    cp = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld_l)))
+    wt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
+    ww = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
+    wk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
     pr = gl.arange(0, BT, layout=gl.SliceLayout(1, r_l))
     sr = gl.arange(0, 4, layout=gl.SliceLayout(1, sc_l))
     sk = gl.arange(0, 16, layout=gl.SliceLayout(0, sc_l))
@@ -176,10 +184,11 @@ def tq_mla_decode_wgmma_kernel(
     for t in gl.static_range(STAGES - 1):
         _stage_rope(CACHE, bt_row, stride_cb, lo + t * BT, hi, last_blk, stg_pe, stg_sc, t, pr, rc, sr, sk, PAGE,
                     ROPE_OFF, SC_OFF)
-    # The planes load two chunks ahead (two sets of registers, wa and wb): the first tile's first two chunks.
-    rows = _tile_rows(CACHE, bt_row, stride_cb, lo, hi, last_blk, tt, PAGE, B, G, IDX_OFF)
-    wa = _load_chunk(rows, cg, cp, 0, B, G)
-    wb = _load_chunk(rows, cg, cp, 1, B, G)
+    # the first tile's words, 16 tokens each
+    w0 = _load_words(CACHE, bt_row, stride_cb, lo, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w1 = _load_words(CACHE, bt_row, stride_cb, lo + 16, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w2 = _load_words(CACHE, bt_row, stride_cb, lo + 32, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+    w3 = _load_words(CACHE, bt_row, stride_cb, lo + 48, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
 
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=col_l)
     l_acc = gl.zeros([BT, NQ], gl.float32, layout=mma)  # per-thread partial sums, reduced once at the end
@@ -193,33 +202,22 @@ def tq_mla_decode_wgmma_kernel(
         async_copy.wait_group(STAGES - 2)  # this tile's k_pe and scales (the later tiles' stay in flight)
         _stage_rope(CACHE, bt_row, stride_cb, start + (STAGES - 1) * BT, hi, last_blk, stg_pe, stg_sc,
                     (s + STAGES - 1) % STAGES, pr, rc, sr, sk, PAGE, ROPE_OFF, SC_OFF)
-        rows_next = _tile_rows(CACHE, bt_row, stride_cb, nxt, hi, last_blk, tt, PAGE, B, G, IDX_OFF)
-        # Each chunk of 128 coordinates is looked up into the score product's A registers, its product issued, and
-        # the chunk stored into the fp16 tile for the output product; the chunk two ahead loads in its place.
-        k0 = _chunk_fields(wa, c0, c1, c2, c3, c4, c5, c6, c7, kp_l, kw_l, a_op, B)
-        wa = _load_chunk(rows, cg, cp, 2, B, G)
-        s_c = warpgroup_mma(k0, q_smem.slice(0, 128, dim=1).permute((1, 0)),
-                            gl.zeros([BT, NQ], gl.float32, layout=mma), use_acc=False, is_async=True)
+        # each 16 tokens' words are looked up, then the next tile's loaded in their registers
+        f = _tile_fields(w0, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w0 = _load_words(CACHE, bt_row, stride_cb, nxt, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
         # the previous tile's output product reads the fp16 tile: done, in every warp, before it is written
-        acc = warpgroup_mma_wait(1, deps=(acc,))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
-        c_smem.slice(0, 128, dim=1).store(k0)
-        s_c, k0 = warpgroup_mma_wait(0, deps=(s_c, k0))
-        k1 = _chunk_fields(wb, c0, c1, c2, c3, c4, c5, c6, c7, kp_l, kw_l, a_op, B)
-        wb = _load_chunk(rows, cg, cp, 3, B, G)
-        s_c = warpgroup_mma(k1, q_smem.slice(128, 128, dim=1).permute((1, 0)), s_c, is_async=True)
-        c_smem.slice(128, 128, dim=1).store(k1)
-        s_c, k1 = warpgroup_mma_wait(0, deps=(s_c, k1))
-        k2 = _chunk_fields(wa, c0, c1, c2, c3, c4, c5, c6, c7, kp_l, kw_l, a_op, B)
-        wa = _load_chunk(rows_next, cg, cp, 0, B, G)
-        s_c = warpgroup_mma(k2, q_smem.slice(256, 128, dim=1).permute((1, 0)), s_c, is_async=True)
-        c_smem.slice(256, 128, dim=1).store(k2)
-        s_c, k2 = warpgroup_mma_wait(0, deps=(s_c, k2))
-        k3 = _chunk_fields(wb, c0, c1, c2, c3, c4, c5, c6, c7, kp_l, kw_l, a_op, B)
-        wb = _load_chunk(rows_next, cg, cp, 1, B, G)
-        s_c = warpgroup_mma(k3, q_smem.slice(384, 128, dim=1).permute((1, 0)), s_c, is_async=True)
-        c_smem.slice(384, 128, dim=1).store(k3)
-        rows = rows_next
+        c_smem.slice(0, 16).store(f)
+        f = _tile_fields(w1, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w1 = _load_words(CACHE, bt_row, stride_cb, nxt + 16, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(16, 16).store(f)
+        f = _tile_fields(w2, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w2 = _load_words(CACHE, bt_row, stride_cb, nxt + 32, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(32, 16).store(f)
+        f = _tile_fields(w3, c0, c1, c2, c3, c4, c5, c6, c7, w_l, B, DP)
+        w3 = _load_words(CACHE, bt_row, stride_cb, nxt + 48, hi, last_blk, wt, ww, wk, PAGE, B, G, IDX_OFF)
+        c_smem.slice(48, 16).store(f)
         tvalid = (start + ts) < hi
         sc = stg_sc.index(s)._reinterpret(gl.float16, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(tok_l)
         scf = gl.where(tvalid, sc.to(gl.float32), 0.0)
@@ -227,10 +225,11 @@ def tq_mla_decode_wgmma_kernel(
         gl.thread_barrier()  # every thread's part of the tile, and its copies of k_pe, before the products read them
 
         kpe = stg_pe.index(s)
-        s_pe = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), gl.zeros([BT, NQ], gl.float32, layout=mma), use_acc=False,
-                             is_async=True)
+        zero = gl.zeros([BT, NQ], gl.float32, layout=mma)
+        s_c = warpgroup_mma(c_smem, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_pe = warpgroup_mma(kpe, qhi_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
         s_pe = warpgroup_mma(kpe, qlo_smem.permute((1, 0)), s_pe, is_async=True)
-        s_c, s_pe, k3 = warpgroup_mma_wait(0, deps=(s_c, s_pe, k3))
+        s_c, s_pe = warpgroup_mma_wait(0, deps=(s_c, s_pe))
         sco = gl.where(tvalid[:, None], s_c * scf[:, None] + s_pe, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sco, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -158,11 +158,12 @@ def mla_mma_order(dp: int, warps: int) -> torch.Tensor:
     return torch.cat([(local // gw) * g_all + w * gw + local % gw for w in range(warps)])
 
 
+@functools.lru_cache(maxsize=8)
 def mla_wgmma_order(dp: int) -> torch.Tensor:
-    """The warpgroup-MMA kernel's coordinate order (``mla_decode_wgmma_jit``): chunks of 128 coordinates, chunk c of
-    the page's plane bytes 16c.., each in the register-tile decode's order (``decode_key_order(128)``), as
-    ``mla_mma_order`` with one chunk per warp."""
-    return mla_mma_order(dp, dp // 128)
+    """The warpgroup-MMA kernel's coordinate order (``mla_decode_wgmma_jit``): position 8g + j holds field j of group
+    g, rotated coordinate j*G + g of the latent's G = dp / 8 groups."""
+    p = torch.arange(dp)
+    return (p % 8) * (dp // 8) + p // 8
 
 
 MLA_DECODE_KERNELS = ("wgmma", "mma", "triton")
