@@ -370,9 +370,9 @@ print(json.dumps(seen))
 def test_wgmma_decode_keeps_its_output_product_in_flight():
     """ptxas keeps the warpgroup-MMA decode's overlap (the output product in flight while the next tile's first
     tokens are looked up): it serializes warpgroup MMAs (notes C7514, C7515) where other instructions read or write
-    an accumulator while one is in flight, e.g. a path around the tile loop. And two programs fit an sm_90 SM (228 KB of shared
-    memory, 1 KB of it reserved per program; 64 K registers) for every one-segment latent, as the launcher's
-    ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
+    an accumulator while one is in flight, e.g. a path around the tile loop. And two programs fit an sm_90 SM
+    (228 KB of shared memory, 1 KB of it reserved per program; 64 K registers) for every one-segment latent, as the
+    launcher's ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
     from turboquant_core.ops.mla import MLA_WGMMA_PROGRAMS_PER_SM
 
     root = Path(__file__).resolve().parents[2]
