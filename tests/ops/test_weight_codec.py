@@ -174,15 +174,23 @@ def test_sign_magnitude_fields_rank_the_magnitudes():
     assert torch.equal(c[i].abs(), magnitudes[f & 7]) and torch.equal(c[i] > 0, (f & 8) > 0)
 
 
+def _served(weight, fmt, words_per_group):
+    """(stored, served) of ``weight`` in ``fmt``: the served weight as kernel words, int32 [out, groups,
+    words_per_group], the same bytes and scales, back to planar8 exactly."""
+    w = quantize_weight(weight, fmt)
+    served = served_layout(w)
+    served.check()
+    assert served.kernel_words and served.packed.dtype == torch.int32
+    assert served.packed.shape == (*w.packed.shape[:2], words_per_group)
+    assert served.nbytes() == w.nbytes() and served.scales is w.scales
+    assert torch.equal(from_kernel_words(served.packed), w.packed)
+    return w, served
+
+
 def test_kernel_words_are_the_planes_merged_per_slot():
     """Served tq4 (``served_layout``): word w of a group holds byte w of each plane (plane k in byte k), its fields
     in sign-magnitude form; the same bytes, decoded alike, and back to planar8 exactly."""
-    w = quantize_weight(_weight(heavy=True), "tq4")
-    served = served_layout(w)
-    served.check()
-    assert served.kernel_words and served.packed.dtype == torch.int32 and served.packed.shape == (96, 3, 16)
-    assert served.nbytes() == w.nbytes() and served.scales is w.scales
-    assert torch.equal(from_kernel_words(served.packed), w.packed)
+    w, served = _served(_weight(heavy=True), "tq4", 16)
     words = served.packed.view(torch.uint8).reshape(96, 3, 16, 4)  # little-endian bytes of each word
     planes = w.packed.reshape(96, 3, 4, 16)
     lo, hi = planes & 0xF, planes >> 4
@@ -196,12 +204,7 @@ def test_tq3_kernel_words_hold_each_lane_groups_four_words_in_three():
     """Served tq3: with N_w the group word w (byte k: plane k's byte w) spread to one 3-bit field per nibble, slot
     3l + i holds N_{4l+i} with bit i of N_{4l+3}'s fields in the nibbles' bit 3; the same bits, decoded alike, and
     back to planar8 exactly (every byte value of every plane)."""
-    w = quantize_weight(_weight(heavy=True), "tq3")
-    served = served_layout(w)
-    served.check()
-    assert served.kernel_words and served.packed.dtype == torch.int32 and served.packed.shape == (96, 3, 12)
-    assert served.nbytes() == w.nbytes() and served.scales is w.scales
-    assert torch.equal(from_kernel_words(served.packed), w.packed)
+    w, served = _served(_weight(heavy=True), "tq3", 12)
     assert torch.equal(dequantize_weight(served), dequantize_weight(w))
     planes = w.packed.to(torch.int64).reshape(96, 3, 3, 16)
     word = planes[:, :, 0] | (planes[:, :, 1] << 8) | (planes[:, :, 2] << 16)  # [96, 3, 16]
