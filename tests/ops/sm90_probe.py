@@ -61,9 +61,16 @@ class ProbedLaunch:
         else:
             src = triton.compiler.ASTSource(self.fn, signature, constexprs, attrs)
         k = triton_compile(src, target=TARGET, options=options.__dict__)
-        self.ptx = k.asm["ptx"]
+        self.ptx, self.cubin = k.asm["ptx"], k.asm["cubin"]
         regs, stack = resource_usage(k.asm["cubin"])
         return dict(kernel=self.name, regs=regs, stack=stack, shared=k.metadata.shared)
+
+    def sass(self) -> str:
+        """The kernel's sm_90 SASS (after ``compile()``), from Triton's bundled cuobjdump."""
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(self.cubin)
+            f.flush()
+            return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
     def ptxas_notes(self) -> str:
         """What Triton's bundled ptxas says of the kernel in verbose mode (after ``compile()``): its performance

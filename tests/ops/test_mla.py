@@ -347,7 +347,9 @@ seen = []
 def on_launch(launch):
     if launch.name == "tq_mla_decode_wgmma_kernel":
         res = launch.compile()
-        seen.append(dict(res, serialized="serialized" in launch.ptxas_notes()))
+        sass = launch.sass()
+        seen.append(dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
+                         arrive=sass.count("WARPGROUP.ARRIVE")))
 
 
 sm90_probe.install(on_launch)
@@ -370,9 +372,10 @@ print(json.dumps(seen))
 def test_wgmma_decode_keeps_its_output_product_in_flight():
     """ptxas keeps the warpgroup-MMA decode's overlap (the output product in flight while the next tile's first
     tokens are looked up): it serializes warpgroup MMAs (notes C7514, C7515) where other instructions read or write
-    an accumulator while one is in flight, e.g. a path around the tile loop. And two programs fit an sm_90 SM
-    (228 KB of shared memory, 1 KB of it reserved per program; 64 K registers) for every one-segment latent, as the
-    launcher's ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
+    an accumulator while one is in flight, e.g. a path around the tile loop, and it fences each MMA on its own
+    (a ``WARPGROUP.ARRIVE`` per ``HGMMA``, no note) where other instructions write its operand registers between
+    them. And two programs fit an sm_90 SM (228 KB of shared memory, 1 KB of it reserved per program; 64 K
+    registers) for every one-segment latent, as the launcher's ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
     from turboquant_core.ops.mla import MLA_WGMMA_PROGRAMS_PER_SM
 
     root = Path(__file__).resolve().parents[2]
@@ -384,6 +387,7 @@ def test_wgmma_decode_keeps_its_output_product_in_flight():
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(res) == 3, res
     assert not any(r["serialized"] for r in res), res
+    assert all(r["hgmma"] >= 8 * r["arrive"] for r in res), res  # each product's MMAs issued back to back
     per_sm = MLA_WGMMA_PROGRAMS_PER_SM
     assert all(r["stack"] == 0 and per_sm * (r["shared"] + 1024) <= 228 * 1024 for r in res), res
     assert all(per_sm * 128 * r["regs"] <= 64 * 1024 for r in res), res

@@ -240,10 +240,9 @@ def test_plan_takes_the_wgmma_kernel_where_allowed_and_where_it_serves(monkeypat
 
 
 PROBE = r'''
-import json, os, subprocess, sys, tempfile
+import json, os, sys
 import torch
 from tests.ops import sm90_probe
-from triton.compiler import compile as triton_compile
 
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from sass_loop_mix import loop_mix
@@ -256,18 +255,9 @@ def on_launch(launch):
     res = launch.compile()
     found[res["kernel"] + tag] = res
     if res["kernel"] == "tq_paged_decode_wgmma_kernel":
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        options, signature, constexprs, attrs = launch._packed
-        k = triton_compile(GluonASTSource(launch.fn, signature, constexprs, attrs), target=sm90_probe.TARGET,
-                           options=options.__dict__)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([sm90_probe.CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
+        sass = launch.sass()
         mix, tile = loop_mix(sass), loop_mix(sass, innermost=True)
-        res.update(target=k.asm["ptx"].split(".target")[1].split()[0], loop=mix["instructions"], ops=mix["ops"],
+        res.update(target=launch.ptx.split(".target")[1].split()[0], loop=mix["instructions"], ops=mix["ops"],
                    tile_loop=tile["instructions"], tile_ops=tile["ops"])
 
 
