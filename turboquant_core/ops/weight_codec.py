@@ -108,7 +108,7 @@ def quantize_weight(weight: torch.Tensor, fmt: WeightFormat | str) -> TQWeight:
         packed[r0:r0 + rows.shape[0]] = pack_indices(code.idx, fmt.bits)
         scales[r0:r0 + rows.shape[0]] = code.scale.to(torch.float16)
     # The kept tensors are allocated once the encoding's temporaries are freed: allocated before them, the caching
-    # allocator's blocks held up to 18 % more than their bytes on a GPU (benchmarks/results/INDEX.md, 6aed6be).
+    # allocator's blocks held more than their bytes on a GPU (benchmarks/results/INDEX.md, 6aed6be).
     return TQWeight(fmt.name, packed.clone(), scales.clone(), in_features)
 
 
@@ -157,9 +157,8 @@ def _to_3bit_words(packed: torch.Tensor) -> torch.Tensor:
         slots = torch.stack([n[..., i] | (((n[..., 3] >> i) & 0x11111111) << 3) for i in range(3)], -1)
         steps.append(_as_int32(slots.reshape(-1, 12)))
         del planes, n, slots
-    # allocated once the temporaries are freed (as the encoding's kept tensors should be: INDEX.md, 6aed6be)
-    return torch.cat(steps).reshape(*packed.shape[:-1], 12) if steps else flat.new_empty(*packed.shape[:-1], 12,
-                                                                                           dtype=torch.int32)
+    # allocated once the temporaries are freed, as quantize_weight's kept tensors are
+    return torch.cat(steps or [flat.new_empty(0, 12, dtype=torch.int32)]).reshape(*packed.shape[:-1], 12)
 
 
 def _from_3bit_words(words: torch.Tensor) -> torch.Tensor:
