@@ -15,10 +15,12 @@ backward branch's body.
     python benchmarks/sass_loop_mix.py --linear tq4 --rows 1,8,16 --out linear-mix.json
     python benchmarks/sass_loop_mix.py --mla turboquant_k3v4_nc --out mla-mix.json
 
-``--linear FORMAT`` reads the weight product instead (``ops.linear``'s register-tile kernel, ``tq_linear_mma_kernel``):
-one variant per ``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, split over the groups as the
-launcher splits it for 132 SMs), its loop being one group of 128 inputs for the program's output rows;
-``per_weight`` is the loop's instructions per thread times 32 over the weights one warp decodes per group.
+``--linear FORMAT`` reads the weight product instead, the kernel ``ops.linear`` launches on an H100 for each
+``--rows`` (activation rows; a Qwen3-8B gate_up product, 24576 x 4096, split over the groups as the launcher splits
+it for 132 SMs): the register-tile kernel (``tq_linear_mma_kernel``) or, from ``WGMMA_MIN_ROWS`` rows, the warpgroup
+kernel (``tq_linear_wgmma_kernel``); its loop is one group of 128 inputs for the program's output rows.
+``per_weight`` is the loop's instructions per thread times the program's threads over the weights it decodes per
+group.
 
 ``--mla PRESET`` reads the MLA decode's loop over token tiles, per thread, 16 heads: by default the warpgroup-MMA
 kernel Hopper serves (``tq_mla_decode_wgmma_kernel``, 64 tokens a tile), with ``--mla-kernel mma`` the register-tile
@@ -128,6 +130,7 @@ from turboquant_core.ops.compile_ahead import compile_variant, recording_variant
 from turboquant_core.ops.weight_codec import TQWeight, served_layout
 
 linear._gluon_runs = lambda device: True
+linear._wgmma_runs = lambda device: True  # as on an H100 or H200
 fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 f = get_weight_format(fmt)
 groups = f.groups(in_features)
@@ -137,14 +140,17 @@ out = []
 for rows in map(int, sys.argv[5].split(",")):
     with recording_variants() as found:
         linear.tq_linear(torch.zeros(rows, in_features, dtype=torch.bfloat16), w)
-    block_o, _ = linear.mma_tiles(rows)
-    for i, v in enumerate(v for v in found.values() if v.name == "tq_linear_mma_kernel"):
+    wgmma = rows >= linear.WGMMA_MIN_ROWS
+    name = "tq_linear_wgmma_kernel" if wgmma else "tq_linear_mma_kernel"
+    block_o = linear.WGMMA_BLOCK_O if wgmma else linear.mma_tiles(rows)[0]
+    for i, v in enumerate(v for v in found.values() if v.name == name):
         path = f"{prefix}-{rows}-{i}.cubin"
         cubin = compile_variant(v).asm["cubin"]
         with open(path, "wb") as fh:
             fh.write(cubin)
-        out.append(dict(rows=rows, block_o=block_o, registers=resource_usage(cubin)[0], cubin=path))
-print(json.dumps(dict(kernels=["tq_linear_mma_kernel"], variants=out)))
+        out.append(dict(rows=rows, kernel=name, block_o=block_o, threads=128 if wgmma else 32,
+                        registers=resource_usage(cubin)[0], cubin=path))
+print(json.dumps(dict(variants=out)))
 '''
 
 
@@ -241,14 +247,13 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     variants = []
     for v in found["variants"]:
         mix = loop_mix(sass_of(cuobjdump, v["cubin"]))
-        variants.append(dict(rows=v["rows"], block_o=v["block_o"], registers=v["registers"],
-                             per_weight=mix["instructions"] * 32 / (v["block_o"] * 128), **mix))
+        variants.append(dict(rows=v["rows"], kernel=v["kernel"], block_o=v["block_o"], registers=v["registers"],
+                             per_weight=mix["instructions"] * v["threads"] / (v["block_o"] * 128), **mix))
     args.out.write_text(json.dumps(dict(
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        kernel="tq_linear_mma_kernel", format=args.linear, shape=[out_features, in_features], target="sm_90",
-        variants=variants), indent=1))
+        format=args.linear, shape=[out_features, in_features], target="sm_90", variants=variants), indent=1))
     for v in variants:
-        print(f"tq_linear_mma_kernel {args.linear} rows {v['rows']}: {v['registers']} registers, loop of "
+        print(f"{v['kernel']} {args.linear} rows {v['rows']}: {v['registers']} registers, loop of "
               f"{v['instructions']} instructions per group ({v['per_weight']:.2f} per weight); pipes {v['pipes']}; "
               f"copies {v['copies']}; ops {dict(list(v['ops'].items())[:10])}")
     return 0

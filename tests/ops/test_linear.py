@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """TurboQuant linear layers (ops.linear.tq_linear: kernels/linear_mma_jit.py for decode-sized batches on a GPU,
-kernels/linear_jit.py's decoded weight + GEMM otherwise) against the plain-torch rotated-domain product
-(ops.weight_codec.tq_linear_reference): both formats and both paths, 1 to 73 activation rows (8, 16 and 32 per
-program), output sizes that do not fill a tile, bias, bf16 activations with outliers beyond fp16's range, products
-split over ranges of groups, an input dimension whose last group is padded. In Triton's interpreter on the CPU (the
-decoded path: the register-tile kernel runs PTX the interpreter cannot), compiled on a GPU. On the CPU for an sm_90
-target: every variant compiles without spills, and prefills of any size launch only variants vLLM's start-up
-compiled."""
+kernels/linear_wgmma_jit.py for the larger ones on sm_90, kernels/linear_jit.py's decoded weight + GEMM otherwise)
+against the plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference): both formats and every path,
+1 to 73 activation rows (8, 16 and 32 per register-tile program, 8 to 64 per warpgroup program), output sizes that do
+not fill a tile, bias, bf16 activations with outliers beyond fp16's range, products split over ranges of groups, an
+input dimension whose last group is padded. In Triton's interpreter on the CPU (the decoded path: the Gluon kernels
+run PTX the interpreter cannot), compiled on a GPU. On the CPU for an sm_90 target: every variant compiles without
+spills, and prefills of any size launch only variants vLLM's start-up compiled."""
 
 import pytest
 import torch
@@ -24,17 +24,25 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
     return weight.to(device), x.to(device=device, dtype=dtype)
 
 
-@pytest.mark.parametrize("path", ["register-tile", "decoded"])
+def _take_path(path, device, monkeypatch):
+    """Make the launcher run ``path`` for every row count up to MMA_MAX_ROWS (skip where it cannot)."""
+    if path != "decoded" and device != "cuda":
+        pytest.skip("the Gluon kernels run PTX the interpreter cannot")
+    if path == "warpgroup" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup kernel needs sm_90a")
+    monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", 0 if path == "decoded" else MMA_MAX_ROWS)
+    monkeypatch.setattr(linear_ops, "WGMMA_MIN_ROWS", 1 if path == "warpgroup" else MMA_MAX_ROWS + 1)
+
+
+@pytest.mark.parametrize("path", ["register-tile", "warpgroup", "decoded"])
 @pytest.mark.parametrize("fmt,served", [("tq4", True), ("tq4", False), ("tq3", True), ("tq3", False)],
                          ids=["tq4-served", "tq4-planar8", "tq3-served", "tq3-planar8"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
-                                          (48, 576, 3), (96, 320, 40)])
+                                          (48, 576, 3), (96, 320, 40), (136, 256, 64)])
 def test_kernel_matches_the_rotated_reference(fmt, served, out, inp, rows, path, device, monkeypatch):
-    """Both ways the launcher runs a product: the register-tile kernel (GPUs) and the decoded weight + GEMM, over
-    weights as served (kernel words) and as stored (planar8)."""
-    if path == "register-tile" and device != "cuda":
-        pytest.skip("the register-tile kernel runs PTX the interpreter cannot")
-    monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", MMA_MAX_ROWS if path == "register-tile" else 0)
+    """Every way the launcher runs a product: the register-tile kernel (GPUs), the warpgroup kernel (sm_90) and the
+    decoded weight + GEMM, over weights as served (kernel words) and as stored (planar8)."""
+    _take_path(path, device, monkeypatch)
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)
     if served:
@@ -103,11 +111,13 @@ def test_decode_rotation_butterflies_equal_the_rotation_operand(fmt, dtype, rows
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path,rows", [("register-tile", 2), ("warpgroup", 24)])
 @pytest.mark.parametrize("fmt", ["tq4", "tq3"])
-def test_split_products_leave_the_counters_zero_and_repeat_exactly(fmt):
-    """A register-tile product split over ranges of groups (one output tile of 32 rows, 16 groups in 8 ranges) and
-    summed by its last program: the same bits on a second call, and the arrival counters back at zero."""
-    weight, x = _case(32, 2048, 2, 9, "cuda", torch.bfloat16)
+def test_split_products_leave_the_counters_zero_and_repeat_exactly(fmt, path, rows, monkeypatch):
+    """A product split over ranges of groups (one output tile, 16 groups in 8 ranges) and summed by its last
+    program: the same bits on a second call, and the arrival counters back at zero."""
+    _take_path(path, "cuda", monkeypatch)
+    weight, x = _case(32, 2048, rows, 9, "cuda", torch.bfloat16)
     w = quantize_weight(weight, fmt)
     first = tq_linear(x, w)
     assert torch.equal(tq_linear(x, w), first)
@@ -157,18 +167,25 @@ linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile k
 for w in weights:
     for rows in (3, 16, 40):
         tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
+linear_ops._wgmma_runs = lambda device: True  # as on an H100: the warpgroup kernel, 8 to 64 columns
+linear_ops.WGMMA_MIN_ROWS = 1
+for w in weights:
+    for rows in (3, 16, 17, 40):
+        tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
 '''
 
 
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
     """Every variant (both formats, as stored and as served, and both activation types; the decoded weight and its
-    rotation; the register-tile kernel with 8, 16 and 32 columns and its rotation) compiles for sm_90, the register
-    codebook lookups the interpreter cannot run included, with no register spills."""
+    rotation; the register-tile kernel with 8, 16 and 32 columns, the warpgroup kernel with 8, 16, 32 and 64, and
+    their rotation) compiles for sm_90, the register codebook lookups the interpreter cannot run included, with no
+    register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
-    want = ["tq_rotate_kernel", "tq_dequant_kernel"] * 8 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 12
+    want = (["tq_rotate_kernel", "tq_dequant_kernel"] * 8 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 12
+            + ["tq_rotate_fp16_kernel", "tq_linear_wgmma_kernel"] * 16)
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
 
@@ -185,7 +202,8 @@ from turboquant_core.ops import linear as linear_ops
 from turboquant_core.ops.linear import tq_linear
 from turboquant_core.ops.weight_codec import quantize_weight
 
-linear_ops._gluon_runs = lambda device: True  # as on a GPU: up to MMA_MAX_ROWS rows, the register-tile kernel
+linear_ops._gluon_runs = lambda device: True  # as on an H100: up to MMA_MAX_ROWS rows, the Gluon kernels
+linear_ops._wgmma_runs = lambda device: True
 weights = [quantize_weight(torch.randn(64, n), fmt) for n in (4096, 12288) for fmt in ("tq4", "tq3")]
 
 

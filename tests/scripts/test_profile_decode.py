@@ -76,6 +76,7 @@ KERNELS = [
     ("void marlin::Marlin<(vllm::ScalarTypeId)5, (vllm::ScalarTypeId)5, 256, 1, 8, 8, true, 4, 8, false>(int4 const*)",
      "gemm"),
     ("tq_linear_mma_kernel", "gemm"),
+    ("tq_linear_wgmma_kernel", "gemm"),
     ("tq_rotate_fp16_kernel", "gemm"),
     ("tq_rotate_kernel", "gemm"),
     ("tq_moe_linear_kernel", "gemm"),

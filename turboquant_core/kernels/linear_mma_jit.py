@@ -43,6 +43,28 @@ def _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS: gl
 
 
 @gluon.jit
+def _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k, splits,
+                tile, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+    """A program's products [rows, cols] into Y; with SPLIT, as partial sums into PART [splits, num_rows, out], the
+    last of the tile's programs to arrive (COUNT[tile], which it resets to zero) adding them in a fixed order."""
+    if SPLIT:
+        ok = row_ok[:, None] & col_ok[None, :]
+        part_ptr = PART + cols.to(gl.int64)[None, :] * out_features + rows[:, None]
+        plane = num_rows.to(gl.int64) * out_features
+        gl.store(part_ptr + pid_k.to(gl.int64) * plane, acc, mask=ok)
+        gl.thread_barrier()  # every lane's partial sums are written before the release below
+        arrived = gl.atomic_add(COUNT + tile, 1)  # acq_rel at GPU scope
+        if arrived == splits - 1:
+            total = gl.zeros_like(acc)
+            for k in range(0, splits):
+                total += gl.load(part_ptr + k * plane, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(COUNT + tile, 0)
+            _store_rows(total, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
+    else:
+        _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
+
+
+@gluon.jit
 def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
     """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
     ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words); with
@@ -67,6 +89,80 @@ def _nibble_words_of_slots(s0, s1, s2):
     return gl.reshape(gl.join(gl.join(n0, n2), gl.join(n1, n3)), [s0.shape[0], s0.shape[1], 4])
 
 
+@gluon.constexpr_function
+def group_stride(bits: int, words: bool) -> int:
+    """Elements of W between one group's packed weight and the next's, per output row: int32 kernel words (tq3: 12,
+    tq4: 16) or planar8 bytes (16 per bit)."""
+    return (12 if bits == 3 else 16) if words else 16 * bits
+
+
+@gluon.jit
+def _weight_pointers(W, prow, groups, kw_l: gl.constexpr, BITS: gl.constexpr, WORDS: gl.constexpr):
+    """Each thread's pointers to group 0 of its output rows ``prow`` (``SliceLayout(1, SliceLayout(2, kw_l))``), in
+    the word tile's layout ``kw_l`` [rows, 4 lane groups, 4]: tq3 kernel words, slots 3 l + i (i < 3) of lane group
+    l; tq4 kernel words, slot 4 l + g, the thread's four adjacent; planar8, byte 4 l of each plane."""
+    kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
+    row = prow.to(gl.int64) * groups * group_stride(BITS, WORDS)
+    if WORDS and BITS == 3:
+        return W + row[:, None] + (gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * 3)[None, :]
+    elif WORDS:
+        wl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l))
+        wg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
+        return W + row[:, None, None] + (wl * 4)[None, :, None] + wg[None, None, :]
+    else:
+        return W + row[:, None] + (gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * 4)[None, :]
+
+
+@gluon.jit
+def _tile_indices(W, row0, col0, out_features, num_rows, groups, stride_xs, kw_l: gl.constexpr, acc_l: gl.constexpr,
+                  BM: gl.constexpr, NQ: gl.constexpr, BITS: gl.constexpr, WORDS: gl.constexpr):
+    """A program's weight pointers (``_weight_pointers``, output rows row0 .. row0 + BM) and, in the accumulator's
+    layout ``acc_l``, its output rows, which are in the layer, their scales' offsets, its activation rows (col0 ..
+    col0 + NQ), which are in the batch, and their scales' offsets. Rows past the layer and activation rows past the
+    batch read the last one (their products are never stored)."""
+    prow = gl.minimum(row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, kw_l))), out_features - 1)
+    rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
+    cols = col0 + gl.arange(0, NQ, layout=gl.SliceLayout(0, acc_l))
+    return (_weight_pointers(W, prow, groups, kw_l, BITS, WORDS), rows, rows < out_features,
+            gl.minimum(rows, out_features - 1).to(gl.int64) * groups, cols, cols < num_rows,
+            gl.minimum(cols, num_rows - 1).to(gl.int64) * stride_xs)
+
+
+@gluon.jit
+def _load_group(ptr, BITS: gl.constexpr, WORDS: gl.constexpr):
+    """One group's packed weight at ``ptr`` (``_weight_pointers`` plus the group's offset), as loaded: tq3 kernel
+    words three slots, tq4 kernel words one [rows, 4, 4] tile of words, planar8 four byte planes (unused ones repeat
+    plane 0)."""
+    if WORDS and BITS == 3:
+        return (gl.load(ptr).to(gl.uint32, bitcast=True), gl.load(ptr + 1).to(gl.uint32, bitcast=True),
+                gl.load(ptr + 2).to(gl.uint32, bitcast=True))
+    elif WORDS:
+        return (gl.load(ptr).to(gl.uint32, bitcast=True),)
+    else:
+        return _load_planes(ptr, 0, 0, 16, BITS, 4)
+
+
+@gluon.jit
+def _decode_group(words, c0, c1, c2, c3, c4, c5, c6, c7, kw_l: gl.constexpr, a_op: gl.constexpr,
+                  BITS: gl.constexpr, WORDS: gl.constexpr, BN: gl.constexpr):
+    """A group's loaded weight (``_load_group``) -> its codebook values [BN, 128] in the A-operand layout ``a_op``
+    (no data movement: ``kw_l`` is built so that the fields land in the operand's registers)."""
+    if WORDS and BITS == 3:
+        kw = gl.convert_layout(_nibble_words_of_slots(words[0], words[1], words[2]), kw_l, assert_trivial=True)
+    elif WORDS:
+        kw = words[0]
+    else:
+        kw = gl.convert_layout(_planes_to_words(words[0], words[1], words[2], words[3], BITS, 4), kw_l,
+                               assert_trivial=True)
+    if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
+        kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
+    elif WORDS:
+        kf = _nibble_fields_lookup(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
+    else:
+        kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
+    return gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, 128]), a_op, assert_trivial=True)
+
+
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
@@ -81,95 +177,36 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
     out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
-    GR: gl.constexpr = 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     kw_l: gl.constexpr = key_word_layout(DP, BN)
-    kp_l: gl.constexpr = gl.SliceLayout(2, kw_l)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
 
     pid_o = gl.program_id(0)
     pid_b = gl.program_id(1)
     pid_k = gl.program_id(2)
     g0 = pid_k * groups_per_split
     g1 = gl.minimum(g0 + groups_per_split, groups)
-    group_bytes: gl.constexpr = 16 * BITS
 
-    # Plane loads: rows past the layer read its last row (their products are never stored).
-    prow = gl.minimum(pid_o * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, kp_l)), out_features - 1)
-    prow_off = (prow.to(gl.int64) * groups * group_bytes)[:, None]
-    kgofs = (gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * GR)[None, :]
-    rows = pid_o * BN + gl.arange(0, BN, layout=row_l)
-    row_ok = rows < out_features
-    srow = gl.minimum(rows, out_features - 1).to(gl.int64) * groups
-    cols = pid_b * NQ + gl.arange(0, NQ, layout=col_l)
-    col_ok = cols < num_rows
-    xcol = gl.minimum(cols, num_rows - 1).to(gl.int64) * stride_xs
+    wptr, rows, row_ok, srow, cols, col_ok, xcol = _tile_indices(W, pid_o * BN, pid_b * NQ, out_features, num_rows,
+                                                                 groups, stride_xs, kw_l, mma, BN, NQ, BITS, WORDS)
+    STRIDE: gl.constexpr = group_stride(BITS, WORDS)
     qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))
     qc = pid_b * NQ + gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     # The next group's words (or planes) are loaded before this group's are decoded: two loads in flight per warp.
-    if WORDS and BITS == 3:  # slots 3 l + i (i < 3) of lane group l, at 12 words per group and row
-        sl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l)) * 3
-        sptr = W + (prow.to(gl.int64) * groups * 12)[:, None] + sl[None, :]
-        n0 = gl.load(sptr + g0 * 12).to(gl.uint32, bitcast=True)
-        n1 = gl.load(sptr + g0 * 12 + 1).to(gl.uint32, bitcast=True)
-        n2 = gl.load(sptr + g0 * 12 + 2).to(gl.uint32, bitcast=True)
-    elif WORDS:  # word (row, lane group l, g) at 16 words per group and row: slot 4 l + g, the thread's four adjacent
-        wl = gl.arange(0, 4, layout=gl.SliceLayout(0, kp_l))
-        wg = gl.arange(0, GR, layout=gl.SliceLayout(0, gl.SliceLayout(1, kw_l)))
-        wptr = (W + (prow.to(gl.int64) * groups * 16)[:, None, None] + (wl * GR)[None, :, None]
-                + wg[None, None, :])
-        nw = gl.load(wptr + g0 * 16).to(gl.uint32, bitcast=True)
-    else:
-        n0, n1, n2, n3 = _load_planes(W + g0 * group_bytes, prow_off, kgofs, 16, BITS, GR)
+    nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
     for gi in range(g0, g1):
-        if WORDS and BITS == 3:
-            p0, p1, p2 = n0, n1, n2
-            nptr = sptr + gl.minimum(gi + 1, g1 - 1) * 12
-            n0 = gl.load(nptr).to(gl.uint32, bitcast=True)
-            n1 = gl.load(nptr + 1).to(gl.uint32, bitcast=True)
-            n2 = gl.load(nptr + 2).to(gl.uint32, bitcast=True)
-            kw = gl.convert_layout(_nibble_words_of_slots(p0, p1, p2), kw_l, assert_trivial=True)
-        elif WORDS:
-            kw = nw
-            nw = gl.load(wptr + gl.minimum(gi + 1, g1 - 1) * 16).to(gl.uint32, bitcast=True)
-        else:
-            p0, p1, p2, p3 = n0, n1, n2, n3
-            n0, n1, n2, n3 = _load_planes(W + gl.minimum(gi + 1, g1 - 1) * group_bytes, prow_off, kgofs, 16, BITS,
-                                          GR)
-            kw = gl.convert_layout(_planes_to_words(p0, p1, p2, p3, BITS, GR), kw_l, assert_trivial=True)
-        if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
-            kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
-        elif WORDS:
-            kf = _nibble_fields_lookup(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
-        else:
-            kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
-        kt = gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, DP]), a_op, assert_trivial=True)
+        cur = nxt
+        nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
+        kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BN)
         xq = gl.load(xq_ptr + gi * DP)
         part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
         ws = gl.load(S + srow + gi).to(gl.float32)
         xs = gl.load(XS + xcol + gi)
         acc = acc + part * ws[:, None] * xs[None, :]
 
-    if SPLIT:
-        splits = gl.num_programs(2)
-        ok = row_ok[:, None] & col_ok[None, :]
-        part_ptr = PART + cols.to(gl.int64)[None, :] * out_features + rows[:, None]
-        plane = num_rows.to(gl.int64) * out_features
-        gl.store(part_ptr + pid_k.to(gl.int64) * plane, acc, mask=ok)
-        gl.thread_barrier()  # every lane's partial sums are written before the release below
-        tile = pid_o * gl.num_programs(1) + pid_b
-        arrived = gl.atomic_add(COUNT + tile, 1)  # acq_rel at GPU scope
-        if arrived == splits - 1:
-            total = gl.zeros([BN, NQ], gl.float32, layout=mma)
-            for k in range(0, splits):
-                total += gl.load(part_ptr + k * plane, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.atomic_xchg(COUNT + tile, 0)
-            _store_rows(total, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
-    else:
-        _store_rows(acc, Y, BIAS, rows, cols, row_ok, col_ok, stride_y, HAS_BIAS)
+    _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k,
+                gl.num_programs(2), pid_o * gl.num_programs(1) + pid_b, HAS_BIAS, SPLIT)

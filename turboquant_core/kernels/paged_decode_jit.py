@@ -185,18 +185,20 @@ def _load_component(cache_head, scale_head, page, stride_cb, start, hi, tok, ts,
 
 
 @gluon.constexpr_function
-def key_word_layout(dp, bn):
+def key_word_layout(dp, bn, warps=1):
     """The K word tile's register layout [BN, 4, DP/32] for one warp, such that its dequantized fields form the
     MMA A operand with no data movement (module docstring): lanes 0-1 -> gl, lanes 2-4 -> token bits 0-2;
     registers -> gr bits, then token bits 3.. . A thread's groups are contiguous bytes of each plane: one load
-    per plane and token. (Built at compile time from ints, so launches pass no layout
+    per plane and token. With ``warps`` > 1, [warps * BN, 4, DP/32]: warp w takes rows w * BN.. (the warpgroup
+    MMA's A operand in registers, BN = 16). (Built at compile time from ints, so launches pass no layout
     object: Triton's compile hooks serialize every constexpr argument as JSON.)"""
     gr = dp // 32
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1 << i] for i in range(gr.bit_length() - 1)]
         + [[8 << i, 0, 0] for i in range(bn.bit_length() - 4)],
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[], block_bases=[], shape=[bn, 4, gr])
+        warp_bases=[[bn << i, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[],
+        shape=[bn * warps, 4, gr])
 
 
 @gluon.constexpr_function

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launchers of ``kernels.linear_jit``
-and ``kernels.linear_mma_jit``; the plain-torch oracle is ``ops.weight_codec.tq_linear_reference``.
+"""Linear layers over TurboQuant weights (``ops.weight_codec.TQWeight``): the launchers of ``kernels.linear_jit``,
+``kernels.linear_mma_jit`` and ``kernels.linear_wgmma_jit``; the plain-torch oracle is
+``ops.weight_codec.tq_linear_reference``.
 
 Up to ``MMA_MAX_ROWS`` activation rows (decode batches) on a GPU, the register-tile kernel: the activation is rotated
 once per group (one launch, fp16 with a power-of-two scale per row and group), and the product decodes each weight
-tile straight into tensor-core operand registers. More rows (prefill, and every product in Triton's interpreter) are
+tile straight into tensor-core operand registers. On sm_90 from ``WGMMA_MIN_ROWS`` rows, the warpgroup kernel
+instead: the same decode into warpgroup-MMA operand registers, once for all the batch's rows, the activation shared
+by four warps through shared memory. More rows (prefill, and every product in Triton's interpreter) are
 compute-bound: the weight is decoded once into a bf16/fp16 workspace in the rotated domain, the activation rotated
 alike, and the GEMM is cuBLAS's. Neither rotates the weight back.
 """
@@ -29,6 +32,15 @@ MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (li
 MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
 MMA_MIN_GROUPS_PER_SPLIT = 2
 MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
+WGMMA_MIN_ROWS = 8  # on sm_90: from this many rows up to MMA_MAX_ROWS, the warpgroup kernel (linear_wgmma_jit)
+WGMMA_PROGRAMS_PER_SM = 8  # one warpgroup each: split-K target of the warpgroup kernel
+WGMMA_BLOCK_O = 64  # output rows per program of the warpgroup kernel
+
+
+def wgmma_columns(rows: int) -> int:
+    """Activation rows (the MMA's N) per program of the warpgroup kernel: the next power of two from 8, so that the
+    variants are those vLLM's CUDA-graph sizes compile."""
+    return max(8, 1 << (rows - 1).bit_length())
 
 
 def mma_tiles(rows: int) -> tuple[int, int]:
@@ -166,10 +178,28 @@ def _gluon_runs(device: str) -> bool:
     return runs(device)
 
 
+@functools.lru_cache(maxsize=8)
+def _wgmma_runs(device: str) -> bool:
+    """Where the register-tile kernel runs (``_gluon_runs``) on an sm_90 GPU: wgmma needs sm_90a."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and _gluon_runs(device) and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+def _split_count(tiles: int, groups: int, programs_per_sm: int, device: str) -> int:
+    """Group ranges per output tile: enough programs for ``programs_per_sm`` per SM where the tiles are too few,
+    at least MMA_MIN_GROUPS_PER_SPLIT groups each; none past MAX_SPLIT_TILES tiles (the arrival counters)."""
+    from .paged_attention import _sm_count
+
+    if tiles > MAX_SPLIT_TILES:
+        return 1
+    splits = max(1, min(triton.cdiv(programs_per_sm * _sm_count(device), tiles), groups // MMA_MIN_GROUPS_PER_SPLIT))
+    return triton.cdiv(groups, triton.cdiv(groups, splits))
+
+
 def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
     from ..kernels.linear_jit import tq_rotate_fp16_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
-    from .paged_attention import _sm_count
+    from ..kernels.linear_wgmma_jit import tq_linear_wgmma_kernel
 
     fmt = w.fmt
     rows, dev = x.shape[0], str(x.device)
@@ -178,25 +208,31 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features, x.stride(0),
                                           xq.stride(0), xs.stride(0), num_warps=1)
-    bn, nq = mma_tiles(rows)
-    grid_o, grid_b = triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq)
-    tiles = grid_o * grid_b
-    splits = 1
-    if tiles <= MAX_SPLIT_TILES:  # few output tiles (a small layer, a small batch): split the groups
-        splits = max(1, min(triton.cdiv(MMA_PROGRAMS_PER_SM * _sm_count(dev), tiles),
-                            groups // MMA_MIN_GROUPS_PER_SPLIT))
+    wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
+    if wgmma:
+        bn, nq = WGMMA_BLOCK_O, wgmma_columns(rows)
+        tiles = triton.cdiv(w.out_features, bn)
+        splits = _split_count(tiles, groups, WGMMA_PROGRAMS_PER_SM, dev)
+    else:
+        bn, nq = mma_tiles(rows)
+        tiles = triton.cdiv(w.out_features, bn) * triton.cdiv(rows, nq)
+        splits = _split_count(tiles, groups, MMA_PROGRAMS_PER_SM, dev)
     per_split = triton.cdiv(groups, splits)
-    splits = triton.cdiv(groups, per_split)
     y = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
     if splits > 1:
         part = torch.empty(splits, rows, w.out_features, dtype=torch.float32, device=x.device)
         counters = _split_counters(dev, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     else:
         part = counters = y  # not read
-    tq_linear_mma_kernel[(grid_o, grid_b, splits)](
-        xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
-        per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name), BITS=fmt.bits, BN=bn,
-        NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=1)
+    args = (xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features,
+            groups, per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name))
+    if wgmma:
+        tq_linear_wgmma_kernel[(tiles, splits)](*args, BITS=fmt.bits, NQ=nq, HAS_BIAS=bias is not None,
+                                                SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=4)
+    else:
+        tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
+            *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
+            num_warps=1)
     return y
 
 
