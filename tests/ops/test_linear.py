@@ -164,7 +164,6 @@ for w in weights:
     for dtype in (torch.bfloat16, torch.float16):
         tq_linear(torch.randn(MMA_MAX_ROWS + 1, 2048, dtype=dtype), w)
 linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel, 8, 16 and 32 columns
-linear_ops._pdl_runs = lambda device: True  # as on an H100: the product launched as the rotation's dependent
 for w in weights:
     for rows in (3, 16, 40):
         tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
@@ -179,9 +178,9 @@ for w in weights:
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
     """Every variant (both formats, as stored and as served, and both activation types; the decoded weight and its
-    rotation; the register-tile kernel with 8, 16 and 32 columns, launched as its rotation's programmatic dependent,
-    the warpgroup kernel with 8, 16, 32 and 64, and their rotation) compiles for sm_90, the register codebook lookups
-    the interpreter cannot run included, with no register spills."""
+    rotation; the register-tile kernel with 8, 16 and 32 columns, the warpgroup kernel with 8, 16, 32 and 64, and
+    their rotation) compiles for sm_90, the register codebook lookups the interpreter cannot run included, with no
+    register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)

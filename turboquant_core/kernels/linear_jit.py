@@ -17,7 +17,6 @@ Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from .codebook_lookup_jit import INTERPRETING, _codebook_registers, _dequant_words, _load_words
 
@@ -81,17 +80,12 @@ def _fwht(x):
 
 # Rows and groups are the grid: nothing is specialized, one variant serves every decode batch.
 @triton.jit
-def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs,
-                          PDL: tl.constexpr = False):
+def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs):
     """For ``linear_mma_jit``: XQ fp16 [rows, groups * 128] and XS fp32 [rows, groups] such that XS * XQ = R x per
     group (R = H D / sqrt(128) the format's rotation: SIGNS [128] D's diagonal, +-1 fp32, H the Sylvester Hadamard
     matrix; POS [128] int32 the MMA kernel's K position of each rotated coordinate), XQ scaled by a power of two per
     (row, group) into [-2^14, 2^14]: fp16 keeps its 11 bits there whatever the activation's range. One row (program
-    0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane.
-    ``PDL``: the product after it may launch at once (it waits for this grid before it reads XQ and XS); this grid
-    is a few programs, all resident by then."""
-    if PDL:
-        gdc_launch_dependents()
+    0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane."""
     row = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1)
     d = tl.arange(0, GROUP)

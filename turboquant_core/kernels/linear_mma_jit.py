@@ -24,7 +24,6 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _nibble_fields_lookup, _planes_to_words, key_word_layout
-from .paged_decode_wgmma_jit import _grid_dependency_wait
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 SIGN_MAGNITUDE_ASM = gl.constexpr(SIGN_MAGNITUDE_LOOKUP8_ASM.value)
@@ -168,7 +167,7 @@ def _decode_group(words, c0, c1, c2, c3, c4, c5, c6, c7, kw_l: gl.constexpr, a_o
 def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, WORDS: gl.constexpr, PDL: gl.constexpr = False):
+                         SPLIT: gl.constexpr, WORDS: gl.constexpr):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -176,9 +175,7 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
     rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
     k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
-    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y. ``PDL``: launched as a
-    programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
-    grid."""
+    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
     DP: gl.constexpr = 128
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -201,8 +198,6 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     # The next group's words (or planes) are loaded before this group's are decoded: two loads in flight per warp.
     nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
-    if PDL:
-        _grid_dependency_wait()  # the rotated activation
     for gi in range(g0, g1):
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)

@@ -35,7 +35,6 @@ MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation r
 WGMMA_MIN_ROWS = 8  # on sm_90: from this many rows up to MMA_MAX_ROWS, the warpgroup kernel (linear_wgmma_jit)
 WGMMA_PROGRAMS_PER_SM = 8  # one warpgroup each: split-K target of the warpgroup kernel
 WGMMA_BLOCK_O = 64  # output rows per program of the warpgroup kernel
-MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
 
 
 def wgmma_columns(rows: int) -> int:
@@ -180,13 +179,6 @@ def _gluon_runs(device: str) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _pdl_runs(device: str) -> bool:
-    """Programmatic dependent launch: CUDA GPUs of sm_90 and later."""
-    dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=8)
 def _wgmma_runs(device: str) -> bool:
     """Where the register-tile kernel runs (``_gluon_runs``) on an sm_90 GPU: wgmma needs sm_90a."""
     dev = torch.device(device)
@@ -208,17 +200,15 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     from ..kernels.linear_jit import tq_rotate_fp16_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
     from ..kernels.linear_wgmma_jit import tq_linear_wgmma_kernel
-    from .paged_decode import _pdl_launch
 
     fmt = w.fmt
     rows, dev = x.shape[0], str(x.device)
     groups = fmt.groups(w.in_features)
     xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
-    pdl = bool(MMA_PDL) and not wgmma and _pdl_runs(dev)
     tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features, x.stride(0),
-                                          xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
+                                          xq.stride(0), xs.stride(0), num_warps=1)
+    wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
     if wgmma:
         bn, nq = WGMMA_BLOCK_O, wgmma_columns(rows)
         tiles = triton.cdiv(w.out_features, bn)
@@ -242,7 +232,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
             *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
-            num_warps=1, **_pdl_launch(pdl))
+            num_warps=1)
     return y
 
 
