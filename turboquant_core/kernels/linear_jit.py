@@ -97,27 +97,6 @@ def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_x
     tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
 
 
-# Rows and groups are the grid, as for the fp16 rotation.
-@triton.jit
-def tq_rotate_int8_kernel(X, SIGNS, POS, XQ, XS, SX, in_features, unit, stride_x, stride_xq, stride_xs):
-    """For the int8 product of ``linear_mma_jit``: XQ int8 [rows, groups * 128] (POS [128] int32 the K position of
-    each rotated coordinate), the group's unnormalised rotation sqrt(128) R x rounded at a power-of-two step (its
-    absolute maximum rounded up to a power of two, over 128; |XQ| <= 127); XS fp32 [rows, groups] that step times
-    ``unit`` (the weight codebook's half unit over sqrt(128)); SX int32 [rows, groups] the sum of the group's XQ, which
-    the weight bytes' half units multiply. ``ops.weight_codec.int8_activation`` is the reference."""
-    row = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1)
-    d = tl.arange(0, GROUP)
-    col = gi * GROUP + d
-    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
-    xr = _fwht(x * tl.load(SIGNS + d))
-    step = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 7.0)
-    q = tl.minimum(tl.maximum(tl.floor(xr / step + 0.5), -127.0), 127.0)
-    tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), q.to(tl.int8))
-    tl.store(XS + row * stride_xs + gi, step * unit)
-    tl.store(SX + row * stride_xs + gi, tl.sum(q.to(tl.int32), axis=0))
-
-
 @triton.jit
 def _words_of_3bit_slots(row_ptr, row_mask):
     """tq3 kernel words (``ops.weight_codec``: a lane group's four words in slots 3l..3l+2, row_ptr [BO, 1] at a
