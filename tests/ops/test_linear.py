@@ -88,11 +88,13 @@ def test_rotation_operand_is_the_groups_rotation_in_kernel_order():
 @pytest.mark.parametrize("rows,inp", [(1, 256), (5, 300), (17, 128)])
 def test_decode_rotation_butterflies_equal_the_rotation_operand(fmt, dtype, rows, inp, device):
     """The register-tile product's activation (``tq_rotate_fp16_kernel``: sign flips, seven butterfly stages,
-    positions from ``mma_rotation_tables``) is x_g @ M / sqrt(128) (M = ``mma_rotation_operand``, the rotation
-    in the kernel's K order) to fp16's precision, with a power-of-two scale per row and group; a last group zero
-    past the input, and a bf16 value fp16 cannot hold."""
+    positions from ``mma_rotation_tables``) is x_g @ M / sqrt(128) (M the unnormalised rotation as a matrix, its
+    columns in the kernel's K order, ``ops.paged_decode.decode_key_order``) to fp16's precision, with a power-of-two
+    scale per row and group; a last group zero past the input, and a bf16 value fp16 cannot hold."""
     from turboquant_core.kernels.linear_jit import tq_rotate_fp16_kernel
-    from turboquant_core.ops.linear import mma_rotation_operand, mma_rotation_tables
+    from turboquant_core.ops.linear import mma_rotation_tables
+    from turboquant_core.ops.paged_decode import decode_key_order
+    from turboquant_core.rotation import fwht, hadamard_signs
 
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, 0] = 3.0e5 if dtype == torch.bfloat16 else 6.0e4
@@ -103,7 +105,8 @@ def test_decode_rotation_butterflies_equal_the_rotation_operand(fmt, dtype, rows
     tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt, device), xq, xs, inp, x.stride(0),
                                           xq.stride(0), xs.stride(0), num_warps=1)
     xg = torch.nn.functional.pad(x.float(), (0, groups * 128 - inp)).view(rows, groups, 128)
-    want = xg @ mma_rotation_operand(fmt, device, torch.float32) / 128 ** 0.5
+    m = fwht(torch.eye(128) * hadamard_signs(128, get_weight_format(fmt).seed))[:, decode_key_order(128)]
+    want = xg @ m.to(device) / 128 ** 0.5
     exponent = torch.log2(xs * 128 ** 0.5)
     assert ((exponent - exponent.round()).abs() < 1e-5).all()  # powers of two
     got = xq.float().view(rows, groups, 128) * xs[..., None]

@@ -135,18 +135,6 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
     return xr
 
 
-@functools.lru_cache(maxsize=32)
-def mma_rotation_operand(fmt_name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
-    """M [128, 128] in ``dtype``, entries +-1: x_g @ M is sqrt(128) R x_g with its coordinates in the register-tile
-    kernel's K order (``ops.paged_decode.decode_key_order``). What ``mma_rotation_tables`` apply as butterflies."""
-    from .paged_decode import decode_key_order
-
-    fmt = get_weight_format(fmt_name)
-    gs = fmt.group_size
-    m = fwht(torch.eye(gs) * hadamard_signs(gs, fmt.seed))[:, decode_key_order(gs)]
-    return m.to(device=device, dtype=dtype)
-
-
 @functools.lru_cache(maxsize=16)
 def mma_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(signs fp32 [128], positions int32 [128]) of ``linear_jit.tq_rotate_fp16_kernel``: D's diagonal of the
