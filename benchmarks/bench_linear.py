@@ -9,10 +9,9 @@ weights are read at against the GPU's copy bandwidth.
     python benchmarks/bench_linear.py --rows 1,8 --breakdown --out b.json
 
 Every graph runs ``--layers`` layers with distinct weights (more bytes than L2 holds), as a decode step does. A
-variant sets launcher constants of ``ops.linear`` (mma_max_rows, mma_programs_per_sm, mma_block_o,
-mma_min_groups_per_split, wgmma_min_rows, wgmma_programs_per_sm) for the study of its choices, e.g.
-``--variants "wgmma_min_rows=65;wgmma_min_rows=1"`` the register-tile kernel alone against the warpgroup kernel at
-every row count; the default variant is the shipped one.
+variant sets launcher constants of ``ops.linear`` (``KNOBS``) for the study of its choices, e.g. ``--variants
+"wgmma_min_rows=65;wgmma_min_rows=1"`` the register-tile kernel alone against the warpgroup kernel at every row
+count; the default variant is the shipped one.
 
 ``--breakdown`` adds, per config, row count and shape, the device time of each kernel per layer (torch.profiler over
 eager runs of the same products) next to the graph's time: what the activation's rotation launch costs, and how much
@@ -39,8 +38,9 @@ HIDDEN, INTERMEDIATE, Q, KV = 4096, 12288, 4096, 1024  # Qwen3-8B
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERMEDIATE, HIDDEN),
           "down": (HIDDEN, INTERMEDIATE)}
 KNOBS = {"mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM", "mma_block_o": "MMA_BLOCK_O",
-         "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT", "wgmma_min_rows": "WGMMA_MIN_ROWS",
-         "wgmma_programs_per_sm": "WGMMA_PROGRAMS_PER_SM"}
+         "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT", "mma_int8": "MMA_INT8", "mma_pdl": "MMA_PDL",
+         "wgmma_int8_max_rows": "WGMMA_INT8_MAX_ROWS", "wgmma_min_rows": "WGMMA_MIN_ROWS",
+         "wgmma_programs_per_sm": "WGMMA_PROGRAMS_PER_SM", "wgmma_wide_programs_per_sm": "WGMMA_WIDE_PROGRAMS_PER_SM"}
 
 
 def parse_variant(text: str) -> dict[str, int]:

@@ -131,6 +131,7 @@ from turboquant_core.ops.weight_codec import TQWeight, served_layout
 
 linear._gluon_runs = lambda device: True
 linear._wgmma_runs = lambda device: True  # as on an H100 or H200
+linear._pdl_runs = lambda device: True
 fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 f = get_weight_format(fmt)
 groups = f.groups(in_features)

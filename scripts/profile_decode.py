@@ -37,7 +37,7 @@ the first rule of FAMILY_RULES whose case-insensitive regex is found in the kern
                    decode's _fwd_kernel_stage1, FlashInfer
   GEMM             gemm, gemv, cutlass, nvjet, xmma, cublas, splitKreduce, wgmma, Inductor templates (triton_tem_),
                    Marlin, ours' weight products with their activation rotation and dequantization (tq_linear*,
-                   tq_moe_linear, tq_rotate_kernel / tq_rotate_fp16, tq_dequant_kernel)
+                   tq_moe_linear, tq_rotate_kernel / tq_rotate_fp16 / tq_rotate_int8, tq_dequant_kernel)
   sampling/logits  argmax, sampl*, top-k/p, softmax, gumbel, penalties, multinomial, exponential, logit*
   norms / RoPE / activation / elementwise
                    norm, rotary/rope, silu/gelu/act_and_mul/activation, Inductor's triton_poi/per/red_, at::native::*,
@@ -121,7 +121,7 @@ FAMILY_RULES: tuple[tuple[str, str], ...] = (
                   r"BatchDecode|BatchPrefill"),
     # Ours by their whole names: Inductor names a fused kernel after the ops it fuses ("..._rms_norm_tq_linear_0").
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce|wgmma|triton_tem_|s16816|s1688|marlin::|"
-             r"fused_moe_kernel|^(tq_linear_w?mma|tq_moe_linear|tq_rotate|tq_rotate_fp16|tq_dequant)_kernel$"),
+             r"fused_moe_kernel|^(tq_linear_w?mma|tq_moe_linear|tq_rotate|tq_rotate_(fp16|int8)|tq_dequant)_kernel$"),
     ("sampling", r"argmax|sampl|top_?k|top_?p|softmax|gumbel|penalt|multinomial|exponential|logit"),
     ("elementwise", r"norm|rotary|rope|silu|gelu|act_and_mul|activation|swiglu|triton_(poi|per|red)_|elementwise|"
                     r"vectorized|at::native|CatArray|fill|copy"),

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """TurboQuant linear layers (ops.linear.tq_linear: kernels/linear_mma_jit.py for decode-sized batches on a GPU,
 kernels/linear_wgmma_jit.py for the larger ones on sm_90, kernels/linear_jit.py's decoded weight + GEMM otherwise)
-against the plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference): both formats and every path,
+against the plain-torch rotated-domain product (ops.weight_codec.tq_linear_reference; the register-tile kernel's
+int8 product against ops.weight_codec.tq_linear_int8_reference, its activation kernel bit for bit against
+int8_activation in the interpreter): both formats and every path,
 1 to 73 activation rows (8, 16 and 32 per register-tile program, 8 to 64 per warpgroup program), output sizes that do
 not fill a tile, bias, bf16 activations with outliers beyond fp16's range, products split over ranges of groups, an
 input dimension whose last group is padded. In Triton's interpreter on the CPU (the decoded path: the Gluon kernels
@@ -14,7 +16,14 @@ import torch
 from turboquant_core.formats import get_weight_format
 from turboquant_core.ops import linear as linear_ops
 from turboquant_core.ops.linear import MMA_MAX_ROWS, _split_counters, rotation_operand, tq_linear
-from turboquant_core.ops.weight_codec import quantize_weight, served_layout, tq_linear_reference
+from turboquant_core.ops.weight_codec import (
+    int8_activation,
+    int8_codebook,
+    quantize_weight,
+    served_layout,
+    tq_linear_int8_reference,
+    tq_linear_reference,
+)
 
 
 def _case(out, inp, rows, seed, device, dtype=torch.float32):
@@ -25,23 +34,29 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
 
 
 def _take_path(path, device, monkeypatch):
-    """Make the launcher run ``path`` for every row count up to MMA_MAX_ROWS (skip where it cannot)."""
+    """Make the launcher run ``path`` for every row count up to MMA_MAX_ROWS (skip where it cannot); the
+    register-tile and warpgroup kernels in fp16 ("register-tile", "warpgroup") or, over kernel words, in int8 (the
+    same with "-int8")."""
     if path != "decoded" and device != "cuda":
         pytest.skip("the Gluon kernels run PTX the interpreter cannot")
-    if path == "warpgroup" and torch.cuda.get_device_capability() != (9, 0):
+    if path.startswith("warpgroup") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup kernel needs sm_90a")
+    int8 = path.endswith("-int8")
     monkeypatch.setattr(linear_ops, "MMA_MAX_ROWS", 0 if path == "decoded" else MMA_MAX_ROWS)
-    monkeypatch.setattr(linear_ops, "WGMMA_MIN_ROWS", 1 if path == "warpgroup" else MMA_MAX_ROWS + 1)
+    monkeypatch.setattr(linear_ops, "WGMMA_MIN_ROWS", 1 if path.startswith("warpgroup") else MMA_MAX_ROWS + 1)
+    monkeypatch.setattr(linear_ops, "MMA_INT8", int8)
+    monkeypatch.setattr(linear_ops, "WGMMA_INT8_MAX_ROWS", MMA_MAX_ROWS if int8 else 0)
 
 
-@pytest.mark.parametrize("path", ["register-tile", "warpgroup", "decoded"])
+@pytest.mark.parametrize("path", ["register-tile", "register-tile-int8", "warpgroup", "warpgroup-int8", "decoded"])
 @pytest.mark.parametrize("fmt,served", [("tq4", True), ("tq4", False), ("tq3", True), ("tq3", False)],
                          ids=["tq4-served", "tq4-planar8", "tq3-served", "tq3-planar8"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
                                           (48, 576, 3), (96, 320, 40), (136, 256, 64)])
 def test_kernel_matches_the_rotated_reference(fmt, served, out, inp, rows, path, device, monkeypatch):
-    """Every way the launcher runs a product: the register-tile kernel (GPUs), the warpgroup kernel (sm_90) and the
-    decoded weight + GEMM, over weights as served (kernel words) and as stored (planar8)."""
+    """Every way the launcher runs a product: the register-tile kernel (GPUs) and the warpgroup kernel (sm_90), each
+    in fp16 and in int8, and the decoded weight + GEMM, over weights as served (kernel words) and as stored (planar8:
+    the int8 products take kernel words only, so these run in fp16)."""
     _take_path(path, device, monkeypatch)
     weight, x = _case(out, inp, rows, out + inp + rows, device)
     w = quantize_weight(weight, fmt)
@@ -49,9 +64,15 @@ def test_kernel_matches_the_rotated_reference(fmt, served, out, inp, rows, path,
         w = served_layout(w)
         assert w.kernel_words
     bias = torch.randn(out, generator=torch.Generator().manual_seed(3)).to(device)
-    want = tq_linear_reference(x, w, bias)
     got = tq_linear(x, w, bias)
     assert got.shape == (rows, out) and got.dtype == x.dtype
+    if path.endswith("-int8") and served:
+        # the same integers from the activation in the compute type (fp16), float32 scaling in another order, the
+        # sum rounded to fp16 as the kernels store it: at most one fp16 unit apart
+        want = tq_linear_int8_reference(x.half(), w, bias).half().to(x.dtype)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * want.abs().max().item())
+        return
+    want = tq_linear_reference(x, w, bias)
     # fp16 operands (the activation rounded before and after its rotation), fp32 accumulation
     torch.testing.assert_close(got, want, rtol=2e-3, atol=3e-3 * want.abs().max().item())
 
@@ -66,6 +87,101 @@ def test_leading_dims_bf16_and_outliers_beyond_fp16(device):
     want = tq_linear_reference(x, w)
     assert got.shape == (2, 3, 48) and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().amax(-1, keepdim=True).max().item())
+
+
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+def test_int8_codebook_is_the_codebook_on_a_symmetric_byte_grid(fmt):
+    """Each entry within half a unit of its byte's (b + 0.5) u, the largest magnitude exactly 127.5 u, a negative
+    entry's byte the complement of its mirror's, every byte an int8."""
+    from turboquant_core.codebooks import codebook_tensors
+
+    f = get_weight_format(fmt)
+    table, unit = int8_codebook(fmt)
+    cb = codebook_tensors(f.bits, f.group_size)[0].double()
+    assert table.numel() == cb.numel() == 2 ** f.bits
+    assert ((table.double() + 0.5) * unit - cb).abs().max() <= unit / 2 + 1e-12
+    assert table[-1] == 127 and table[0] == -128 and torch.equal(table.flip(0), -table - 1)
+    assert torch.equal(table.sort().values, table)
+
+
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+def test_int8_lookup_gives_each_fields_codebook_byte(fmt):
+    """``INT8_LOOKUP4_ASM`` / ``INT8_LOOKUP3_ASM`` run instruction by instruction on the CPU over kernel words (tq4:
+    sign-magnitude fields, ``weight_codec.sign_magnitude``; tq3: the index in bits 0-2 of each nibble) with the
+    launcher's byte words: fields 0-3 and 4-7 come back as the bytes of ``int8_codebook``, every index in every
+    field."""
+    from tests.ops.test_codebook_lookup import _run_ptx
+    from turboquant_core.kernels.linear_mma_jit import INT8_LOOKUP3_ASM, INT8_LOOKUP4_ASM
+    from turboquant_core.ops.weight_codec import sign_magnitude
+
+    n = 16 if fmt == "tq4" else 8
+    table, _ = int8_codebook(fmt)
+    t0, t1 = linear_ops._codebook_int8_words(fmt)
+    fields = torch.randint(0, n, (64, 8), generator=torch.Generator().manual_seed(n))
+    fields[:n] = torch.arange(n)[:, None]
+    stored = sign_magnitude(fields) if fmt == "tq4" else fields
+    asm = (INT8_LOOKUP4_ASM if fmt == "tq4" else INT8_LOOKUP3_ASM).value
+    for f, st in zip(fields.tolist(), stored.tolist()):
+        word = sum(v << (4 * j) for j, v in enumerate(st))
+        lo, hi = _run_ptx(asm, [word] * 4 + [t0] * 4 + [t1] * 4, 2)
+        got = [((lo if j < 4 else hi) >> (8 * (j % 4))) & 0xFF for j in range(8)]
+        assert got == [int(table[i]) & 0xFF for i in f]
+
+
+def test_int8_key_order_fills_the_int8_operand_registers():
+    """A permutation of 128 where a group word's fields 0-3 (and 4-7) are four consecutive K positions, one int8
+    register of the m16n8k32 A operand: lanes' gl at 4 gl, the second four 16 further, the word's gr 32 apart."""
+    pos_of = torch.empty(128, dtype=torch.long)
+    pos_of[linear_ops.int8_key_order(128)] = torch.arange(128)
+    assert sorted(pos_of.tolist()) == list(range(128))
+    for gl in range(4):
+        for gr in range(4):
+            g = 4 * gl + gr
+            fields = [int(pos_of[j * 16 + g]) for j in range(8)]
+            assert fields == [32 * gr + 4 * gl + e for e in range(4)] + [32 * gr + 16 + 4 * gl + e for e in range(4)]
+
+
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+@pytest.mark.parametrize("rows,inp", [(1, 256), (5, 300)])
+def test_int8_rotation_kernel_equals_int8_activation(fmt, rows, inp, device):
+    """``tq_rotate_int8_kernel`` against ``weight_codec.int8_activation`` of the unnormalised rotation: the same
+    int8 values at the int8 K positions, the step times the half unit, the sums of the stored values; a last group
+    zero past the input and an all-zero group."""
+    from turboquant_core.kernels.linear_jit import tq_rotate_int8_kernel
+    from turboquant_core.ops.linear import mma_int8_rotation_tables
+    from turboquant_core.rotation import fwht, hadamard_signs
+
+    f = get_weight_format(fmt)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows)) * 3
+    x[-1, :128] = 0.0
+    x = x.to(device)
+    groups = -(-inp // 128)
+    xq = torch.empty(rows, groups * 128, dtype=torch.int8, device=device)
+    xs = torch.empty(rows, groups, device=device)
+    sx = torch.empty(rows, groups, dtype=torch.int32, device=device)
+    unit = 0.125
+    signs, pos = mma_int8_rotation_tables(fmt, device)
+    tq_rotate_int8_kernel[(rows, groups)](x, signs, pos, xq, xs, sx, inp, unit, x.stride(0), xq.stride(0),
+                                          xs.stride(0), num_warps=1)
+    xg = torch.nn.functional.pad(x.float().cpu(), (0, groups * 128 - inp)).view(rows, groups, 128)
+    want, step = int8_activation(fwht(xg * hadamard_signs(128, f.seed)))
+    got = xq.cpu().view(rows, groups, 128)[..., pos.cpu().long()].float()  # coordinate d from its K position
+    assert torch.equal(got, want)
+    assert torch.equal(xs.cpu(), step * unit)
+    assert torch.equal(sx.cpu(), got.sum(-1).int())
+    assert not got[-1, 0].any()
+
+
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+def test_int8_reference_stays_near_the_exact_product(fmt):
+    """The int8 product's arithmetic (int8 activation at a power-of-two step, codebook bytes) against the exact
+    rotated-domain product: within 2 % of the output's norm, the served layout giving the same result."""
+    weight, x = _case(192, 512, 4, 5, "cpu")
+    w = quantize_weight(weight, fmt)
+    exact = tq_linear_reference(x, w)
+    got = tq_linear_int8_reference(x, w)
+    assert (got - exact).norm() < 0.02 * exact.norm()
+    assert torch.equal(tq_linear_int8_reference(x, served_layout(w)), got)
 
 
 def test_rotation_operand_is_the_groups_rotation_in_kernel_order():
@@ -167,6 +283,7 @@ for w in weights:
     for dtype in (torch.bfloat16, torch.float16):
         tq_linear(torch.randn(MMA_MAX_ROWS + 1, 2048, dtype=dtype), w)
 linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel, 8, 16 and 32 columns
+linear_ops._pdl_runs = lambda device: True  # as on an H100: the product launched as the rotation's dependent
 for w in weights:
     for rows in (3, 16, 40):
         tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
@@ -181,14 +298,17 @@ for w in weights:
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90_without_spills():
     """Every variant (both formats, as stored and as served, and both activation types; the decoded weight and its
-    rotation; the register-tile kernel with 8, 16 and 32 columns, the warpgroup kernel with 8, 16, 32 and 64, and
-    their rotation) compiles for sm_90, the register codebook lookups the interpreter cannot run included, with no
-    register spills."""
+    rotation; the register-tile kernel with 8, 16 and 32 columns, in int8 over kernel words, the warpgroup kernel
+    with 8, 16, 32 and 64, in int8 up to 8, and their rotation) compiles for sm_90, the register codebook lookups
+    the interpreter cannot run included, with no register spills."""
     from tests.ops import sm90_probe
 
     res = sm90_probe.run_probe(PROBE)
-    want = (["tq_rotate_kernel", "tq_dequant_kernel"] * 8 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 12
-            + ["tq_rotate_fp16_kernel", "tq_linear_wgmma_kernel"] * 16)
+    want = (["tq_rotate_kernel", "tq_dequant_kernel"] * 8 + ["tq_rotate_fp16_kernel", "tq_linear_mma_kernel"] * 6
+            + ["tq_rotate_int8_kernel", "tq_linear_mma_kernel"] * 6  # kernel words: the int8 product
+            + ["tq_rotate_fp16_kernel", "tq_linear_wgmma_kernel"] * 8  # as stored: fp16
+            + (["tq_rotate_int8_kernel", "tq_linear_wgmma_kernel"]  # kernel words: int8 up to 8 rows
+               + ["tq_rotate_fp16_kernel", "tq_linear_wgmma_kernel"] * 3) * 2)
     assert [r[0] for r in res] == want, res
     assert all(stack == 0 for _, _, stack, _ in res), res
 

@@ -17,6 +17,7 @@ Both rotate the activation rather than the weight: y[b, o] = sum_g s[o, g] * < R
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .codebook_lookup_jit import INTERPRETING, _codebook_registers, _dequant_words, _load_words
 
@@ -80,12 +81,17 @@ def _fwht(x):
 
 # Rows and groups are the grid: nothing is specialized, one variant serves every decode batch.
 @triton.jit
-def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs):
+def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs,
+                          PDL: tl.constexpr = False):
     """For ``linear_mma_jit``: XQ fp16 [rows, groups * 128] and XS fp32 [rows, groups] such that XS * XQ = R x per
     group (R = H D / sqrt(128) the format's rotation: SIGNS [128] D's diagonal, +-1 fp32, H the Sylvester Hadamard
     matrix; POS [128] int32 the MMA kernel's K position of each rotated coordinate), XQ scaled by a power of two per
     (row, group) into [-2^14, 2^14]: fp16 keeps its 11 bits there whatever the activation's range. One row (program
-    0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane."""
+    0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane.
+    ``PDL``: the product after it may launch at once (it waits for this grid before it reads XQ and XS); this grid
+    is a few programs, all resident by then."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     gi = tl.program_id(1)
     d = tl.arange(0, GROUP)
@@ -95,6 +101,31 @@ def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_x
     scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 14.0)
     tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), (xr / scale).to(tl.float16))
     tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
+
+
+# Rows and groups are the grid, as for the fp16 rotation.
+@triton.jit
+def tq_rotate_int8_kernel(X, SIGNS, POS, XQ, XS, SX, in_features, unit, stride_x, stride_xq, stride_xs,
+                          PDL: tl.constexpr = False):
+    """For the int8 product of ``linear_mma_jit``: XQ int8 [rows, groups * 128] (POS [128] int32 the K position of
+    each rotated coordinate), the group's unnormalised rotation sqrt(128) R x rounded at a power-of-two step (its
+    absolute maximum rounded up to a power of two, over 128; |XQ| <= 127); XS fp32 [rows, groups] that step times
+    ``unit`` (the weight codebook's half unit over sqrt(128)); SX int32 [rows, groups] the sum of the group's XQ, which
+    the weight bytes' half units multiply. ``ops.weight_codec.int8_activation`` is the reference. ``PDL`` as for
+    ``tq_rotate_fp16_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1)
+    d = tl.arange(0, GROUP)
+    col = gi * GROUP + d
+    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
+    xr = _fwht(x * tl.load(SIGNS + d))
+    step = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 7.0)
+    q = tl.minimum(tl.maximum(tl.floor(xr / step + 0.5), -127.0), 127.0)
+    tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), q.to(tl.int8))
+    tl.store(XS + row * stride_xs + gi, step * unit)
+    tl.store(SX + row * stride_xs + gi, tl.sum(q.to(tl.int32), axis=0))
 
 
 @triton.jit

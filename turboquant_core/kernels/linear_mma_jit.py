@@ -15,7 +15,9 @@ order (``ops.paged_decode.decode_key_order``), in fp16 times a power-of-two scal
 product is scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators. When
 the output tiles are too few to fill the GPU the groups are split over programs (split-K): each writes fp32 partial
 sums, and the last program of a tile to arrive (an atomic counter per tile, which it resets to zero) adds them in a
-fixed order and writes the output.
+fixed order and writes the output. With INT8 (kernel words) the fields become codebook bytes, four per byte permute
+(``INT8_LOOKUP4_ASM``), the A operand of m16n8k32 integer products against the int8 activation of
+``linear_jit.tq_rotate_int8_kernel``.
 """
 
 from triton.experimental import gluon
@@ -24,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _nibble_fields_lookup, _planes_to_words, key_word_layout
+from .paged_decode_wgmma_jit import _grid_dependency_wait
 
 SYMMETRIC_ASM = gl.constexpr(SYMMETRIC_LOOKUP8_ASM.value)
 SIGN_MAGNITUDE_ASM = gl.constexpr(SIGN_MAGNITUDE_LOOKUP8_ASM.value)
@@ -32,6 +35,17 @@ SLOTS3_TO_NIBBLES_ASM = gl.constexpr(
     "{ .reg .b32 t, u; and.b32 $0, $4, 0x77777777; and.b32 $1, $5, 0x77777777; and.b32 $2, $6, 0x77777777; "
     "shr.b32 t, $4, 3; and.b32 t, t, 0x11111111; shr.b32 u, $5, 2; and.b32 u, u, 0x22222222; or.b32 t, t, u; "
     "shr.b32 u, $6, 1; and.b32 u, u, 0x44444444; or.b32 $3, t, u; }")
+# The int8 product's lookups, four fields (one register of int8 A operand) per permute. Operands: $0, $1 fields 0-3 and
+# 4-7 of the word as bytes; $2-$5 the word (the same one four times: one per output byte), $6-$9 and $10-$13 the
+# codebook byte words t0, t1 (``ops.linear._codebook_int8_words``). tq4 kernel words (sign-magnitude fields): the
+# magnitude's byte, complemented where the field's bit 3 is clear (prmt's sign-replicating mode turns bits 3 into
+# byte masks, as in ``codebook_lookup_jit.SIGN_MAGNITUDE_LOOKUP8_ASM``). tq3 nibble words: the field's byte.
+INT8_LOOKUP4_ASM = gl.constexpr(
+    "{ .reg .b32 m, x4, q, s; and.b32 m, $2, 0x77777777; shl.b32 x4, $2, 4; "
+    "prmt.b32 q, $6, $10, m; prmt.b32 s, $2, x4, 0x9D8C; lop3.b32 $0, q, s, 0, 0xC3; shr.b32 m, m, 16; "
+    "prmt.b32 q, $6, $10, m; prmt.b32 s, $2, x4, 0xBFAE; lop3.b32 $1, q, s, 0, 0xC3; }")
+INT8_LOOKUP3_ASM = gl.constexpr(
+    "{ .reg .b32 m; prmt.b32 $0, $6, $10, $2; shr.b32 m, $2, 16; prmt.b32 $1, $6, $10, m; }")
 
 
 @gluon.jit
@@ -163,11 +177,30 @@ def _decode_group(words, c0, c1, c2, c3, c4, c5, c6, c7, kw_l: gl.constexpr, a_o
     return gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, 128]), a_op, assert_trivial=True)
 
 
+@gluon.jit
+def _decode_group_int8(words, t0, t1, kw_l: gl.constexpr, a_op: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr):
+    """A group's loaded kernel words (``_load_group``) -> its codebook bytes [BN, 128] in the int8 A-operand layout
+    ``a_op`` (k_width 4): a word's fields 0-3 and 4-7 are one register each, K positions 4 gl + e and 16 more, the
+    word's gr the K step (``ops.linear.int8_key_order``)."""
+    if BITS == 3:
+        kw = gl.convert_layout(_nibble_words_of_slots(words[0], words[1], words[2]), kw_l, assert_trivial=True)
+    else:
+        kw = words[0]
+    w2 = gl.join(kw, kw)
+    w4 = gl.reshape(gl.join(w2, w2), [BN, 4, 4, 4])  # the word once per byte of the register it fills
+    lo, hi = gl.inline_asm_elementwise(INT8_LOOKUP4_ASM if BITS == 4 else INT8_LOOKUP3_ASM,
+                                       "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [w4, t0, t1], dtype=(gl.int8, gl.int8),
+                                       is_pure=True, pack=4)
+    kf = gl.permute(gl.join(lo, hi), [0, 2, 4, 1, 3])  # [BN, gr, 2, gl, 4]
+    return gl.convert_layout(gl.reshape(kf, [BN, 128]), a_op, assert_trivial=True)
+
+
 @gluon.jit(do_not_specialize=["num_rows"])
-def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
+def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         SPLIT: gl.constexpr, WORDS: gl.constexpr):
+                         SPLIT: gl.constexpr, WORDS: gl.constexpr, INT8: gl.constexpr = False,
+                         PDL: gl.constexpr = False):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -175,11 +208,19 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     c0..c7 the codebook's words (``ops.linear._codebook_words``); Y [num_rows, out]. Program (o, b, k): output
     rows BN o.. (a multiple of 16: BN / 16 MMA row tiles share each activation tile), activation rows NQ b.., groups
     k * groups_per_split.. (at most groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows,
-    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y."""
+    out], the last of a tile's programs (COUNT int32, one zero per tile) adding them into Y. With INT8 (kernel words
+    only): XQ int8 in the int8 K order, XS its steps times the codebook's half unit and SX int32 [num_rows, groups]
+    its sums (``linear_jit.tq_rotate_int8_kernel``), CB int32 [2] the codebook's byte words (``ops.linear``'s
+    ``_codebook_int8_words``: loaded once, they stay in registers, where kernel arguments would be copied out of
+    uniform registers at every permute); int8 products (m16n8k32) into int32, each group's 2 P + SX then scaled
+    (``ops.weight_codec.tq_linear_int8_reference``). SX and CB are not read otherwise. ``PDL``: launched as a
+    programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
+    grid."""
     DP: gl.constexpr = 128
+    KW: gl.constexpr = 4 if INT8 else 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
     kw_l: gl.constexpr = key_word_layout(DP, BN)
 
     pid_o = gl.program_id(0)
@@ -196,17 +237,28 @@ def tq_linear_mma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_featu
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
+    if INT8:
+        t0 = gl.load(CB)
+        t1 = gl.load(CB + 1)
     # The next group's words (or planes) are loaded before this group's are decoded: two loads in flight per warp.
     nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
+    if PDL:
+        _grid_dependency_wait()  # the rotated activation
     for gi in range(g0, g1):
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
-        kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BN)
         xq = gl.load(xq_ptr + gi * DP)
-        part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
         ws = gl.load(S + srow + gi).to(gl.float32)
         xs = gl.load(XS + xcol + gi)
-        acc = acc + part * ws[:, None] * xs[None, :]
+        if INT8:
+            kt = _decode_group_int8(cur, t0, t1, kw_l, a_op, BITS, BN)
+            part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.int32, layout=mma))
+            sx = gl.load(SX + xcol + gi)
+            acc = acc + (2 * part + sx[None, :]).to(gl.float32) * ws[:, None] * xs[None, :]
+        else:
+            kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BN)
+            part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
+            acc = acc + part * ws[:, None] * xs[None, :]
 
     _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k,
                 gl.num_programs(2), pid_o * gl.num_programs(1) + pid_b, HAS_BIAS, SPLIT)

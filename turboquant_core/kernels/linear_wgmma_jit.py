@@ -9,7 +9,9 @@ its 16 output rows of a group straight into the A-operand registers of ``warpgro
 kernel's decode, the same fields in the same registers), and the group's activation tile [N, 128] is copied once
 into shared memory (asynchronously, a group ahead) as the B operand all four warps read. Each group's product is
 scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators; the groups
-split over programs as in the register-tile kernel (``linear_mma_jit._write_tile``).
+split over programs as in the register-tile kernel (``linear_mma_jit._write_tile``). With INT8 (kernel words), the
+register-tile kernel's int8 product: codebook bytes (``linear_mma_jit._decode_group_int8``) against the int8
+activation tile, k32 integer warpgroup MMAs into int32.
 """
 
 from triton.experimental import gluon
@@ -17,30 +19,32 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .linear_mma_jit import _decode_group, _load_group, _tile_indices, _write_tile, group_stride
+from .linear_mma_jit import _decode_group, _decode_group_int8, _load_group, _tile_indices, _write_tile, group_stride
 from .paged_decode_jit import key_word_layout
 
 
 @gluon.jit(do_not_specialize=["num_rows"])
-def tq_linear_wgmma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
-                           stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
+def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups,
+                           groups_per_split, stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                            BITS: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                           WORDS: gl.constexpr):
+                           WORDS: gl.constexpr, INT8: gl.constexpr = False):
     """The arguments of ``linear_mma_jit.tq_linear_mma_kernel`` (XQ rotated activation fp16 [num_rows, groups *
     128] in K order, XS its fp32 scales [num_rows, groups], W the packed weight, S its fp16 scales [out, groups],
     c0..c7 the codebook words, Y [num_rows, out]), one warpgroup per program. Program (o, k): output rows 64 o..,
     all num_rows <= NQ activation rows (NQ a multiple of 8, at most 64), groups k * groups_per_split.. (at most
     groups_per_split); with SPLIT, partial sums into PART fp32 [splits, num_rows, out], the last of a tile's programs
-    (COUNT int32, one zero per tile) adding them into Y."""
+    (COUNT int32, one zero per tile) adding them into Y. INT8, SX and CB as for ``tq_linear_mma_kernel``."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(NQ % 8 == 0 and NQ <= 64, "the activation rows are the MMA's N")
     DP: gl.constexpr = 128
     BM: gl.constexpr = 64  # output rows: 16 per warp
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    KB: gl.constexpr = 8 if INT8 else 16  # bits per operand
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, NQ, 256 // KB])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=32 // KB)
     kw_l: gl.constexpr = key_word_layout(DP, 16, 4)
-    x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [NQ, 128] copies, 16 bytes per thread
+    x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=KB, rank=2)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [NQ, 128] copies, 8 values per thread
 
     pid_o = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -53,7 +57,10 @@ def tq_linear_wgmma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_fea
     # the activation copies read the batch's last row past it, as _tile_indices' columns do
     xr = gl.minimum(gl.arange(0, NQ, layout=gl.SliceLayout(1, x_l)), num_rows - 1)
     x_ptr = XQ + (xr.to(gl.int64) * stride_xq)[:, None] + gl.arange(0, DP, layout=gl.SliceLayout(0, x_l))[None, :]
-    x_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, DP], x_sl)
+    x_smem = gl.allocate_shared_memory(gl.int8 if INT8 else gl.float16, [2, NQ, DP], x_sl)
+    if INT8:
+        t0 = gl.load(CB)
+        t1 = gl.load(CB + 1)
 
     async_copy.async_copy_global_to_shared(x_smem.index(0), x_ptr + g0 * DP)
     async_copy.commit_group()
@@ -63,7 +70,10 @@ def tq_linear_wgmma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_fea
         s = (gi - g0) % 2
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
-        kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BM)
+        if INT8:
+            kt = _decode_group_int8(cur, t0, t1, kw_l, a_op, BITS, BM)
+        else:
+            kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BM)
         async_copy.wait_group(0)  # this group's activation tile
         fence_async_shared()
         # every thread's copies are in, and every warp is done with the last group's product, which read the other
@@ -71,12 +81,20 @@ def tq_linear_wgmma_kernel(XQ, XS, W, S, BIAS, Y, PART, COUNT, num_rows, out_fea
         gl.thread_barrier()
         async_copy.async_copy_global_to_shared(x_smem.index(1 - s), x_ptr + gl.minimum(gi + 1, g1 - 1) * DP)
         async_copy.commit_group()
-        part = warpgroup_mma(kt, x_smem.index(s).permute((1, 0)), gl.zeros([BM, NQ], gl.float32, layout=mma),
-                             use_acc=False, is_async=True)
-        part, kt = warpgroup_mma_wait(0, deps=(part, kt))
+        part = warpgroup_mma(kt, x_smem.index(s).permute((1, 0)),
+                             gl.zeros([BM, NQ], gl.int32 if INT8 else gl.float32, layout=mma), use_acc=False,
+                             is_async=True)
+        if INT8:  # the wait takes no 8-bit operands; ptxas keeps the A registers until it
+            part = warpgroup_mma_wait(0, deps=(part,))
+        else:
+            part, kt = warpgroup_mma_wait(0, deps=(part, kt))
         ws = gl.load(S + srow + gi).to(gl.float32)
         xs = gl.load(XS + xcol + gi)
-        acc = acc + part * ws[:, None] * xs[None, :]
+        if INT8:
+            sx = gl.load(SX + xcol + gi)
+            acc = acc + (2 * part + sx[None, :]).to(gl.float32) * ws[:, None] * xs[None, :]
+        else:
+            acc = acc + part * ws[:, None] * xs[None, :]
     async_copy.wait_group(0)
 
     _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k,

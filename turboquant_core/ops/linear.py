@@ -4,10 +4,15 @@
 ``ops.weight_codec.tq_linear_reference``.
 
 Up to ``MMA_MAX_ROWS`` activation rows (decode batches) on a GPU, the register-tile kernel: the activation is rotated
-once per group (one launch, fp16 with a power-of-two scale per row and group), and the product decodes each weight
-tile straight into tensor-core operand registers. On sm_90 from ``WGMMA_MIN_ROWS`` rows, the warpgroup kernel
-instead: the same decode into warpgroup-MMA operand registers, once for all the batch's rows, the activation shared
-by four warps through shared memory. More rows (prefill, and every product in Triton's interpreter) are
+once per group (one launch), and the product decodes each weight tile straight into tensor-core operand registers.
+On sm_90 from ``WGMMA_MIN_ROWS`` rows, the warpgroup kernel instead: the same decode into warpgroup-MMA operand
+registers, once for all the batch's rows, the activation shared by four warps through shared memory. Over kernel words
+(the served layout) the register-tile kernel (``MMA_INT8``), and the warpgroup kernel up to ``WGMMA_INT8_MAX_ROWS``
+rows, multiply in int8: each field's codebook byte (``weight_codec.int8_codebook``, one byte permute per four fields)
+against the rotated activation rounded to int8 at a power-of-two step per (row, group), integer MMAs, the groups'
+scales applied to the int32 sums (reference ``weight_codec.tq_linear_int8_reference``); otherwise in fp16, the
+activation scaled by a power of two per (row, group). On sm_90 the register-tile product is launched as a programmatic
+dependent of its rotation (``MMA_PDL``). More rows (prefill, and every product in Triton's interpreter) are
 compute-bound: the weight is decoded once into a bf16/fp16 workspace in the rotated domain, the activation rotated
 alike, and the GEMM is cuBLAS's. Neither rotates the weight back.
 """
@@ -24,17 +29,23 @@ from ..codebooks import codebook_tensors
 from ..formats import get_weight_format
 from ..rotation import fwht, hadamard_signs
 from .rotation_tables import codec_tables, kernel_coordinate_order
-from .weight_codec import TQWeight, sign_magnitude
+from .weight_codec import TQWeight, int8_codebook, sign_magnitude
 
 MAX_SPLIT_TILES = 4096  # counters per device and stream; more tiles than this never split
 DEQUANT_BLOCK_O = 32
 MMA_MAX_ROWS = 64  # on GPUs: up to this many rows, the register-tile kernel (linear_mma_jit)
-MMA_PROGRAMS_PER_SM = 32  # one warp each: split-K target of the register-tile kernel
+MMA_PROGRAMS_PER_SM = 16  # one warp each: split-K target of the register-tile kernel (about one resident wave:
+# fewer, longer programs keep more groups in flight per warp and write fewer partial sums)
 MMA_MIN_GROUPS_PER_SPLIT = 2
 MMA_BLOCK_O = 32  # output rows per program (one warp) for up to 16 activation rows
 WGMMA_MIN_ROWS = 8  # on sm_90: from this many rows up to MMA_MAX_ROWS, the warpgroup kernel (linear_wgmma_jit)
-WGMMA_PROGRAMS_PER_SM = 8  # one warpgroup each: split-K target of the warpgroup kernel
+WGMMA_PROGRAMS_PER_SM = 4  # one warpgroup each: split-K target of the warpgroup kernel up to 16 columns
+WGMMA_WIDE_PROGRAMS_PER_SM = 2  # from 32 columns, where each group's products take longer than its decode
 WGMMA_BLOCK_O = 64  # output rows per program of the warpgroup kernel
+MMA_INT8 = True  # the register-tile kernel's product in int8 (kernel words only): codebook bytes, int8 activation
+MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
+WGMMA_INT8_MAX_ROWS = 8  # the warpgroup kernel's product in int8 likewise, up to this many rows (past them its
+# integer sums' scaling per group costs more than the decode saves)
 
 
 def wgmma_columns(rows: int) -> int:
@@ -150,6 +161,47 @@ def mma_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch
     return hadamard_signs(gs, fmt.seed).to(device), pos.to(device)
 
 
+def int8_key_order(dim: int = 128) -> torch.Tensor:
+    """Rotated coordinate at each K position of the int8 product's A operand (m16n8k32, four bytes a register):
+    field j of group word g = GR*gl + gr (GR = dim/32; coordinate j*G + g, G = dim/8, as ``decode_key_order``) at
+    (j & 3) + 4*gl + 16*(j >> 2) + 32*gr."""
+    g_count, gr_count = dim // 8, dim // 32
+    pos = torch.empty(dim, dtype=torch.long)
+    for g in range(g_count):
+        gl, gr = divmod(g, gr_count)
+        for j in range(8):
+            pos[(j & 3) + 4 * gl + 16 * (j >> 2) + 32 * gr] = j * g_count + g
+    return pos
+
+
+@functools.lru_cache(maxsize=16)
+def mma_int8_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signs, positions) as ``mma_rotation_tables``, the positions in the int8 product's K order."""
+    fmt = get_weight_format(fmt_name)
+    gs = fmt.group_size
+    pos = torch.empty(gs, dtype=torch.int32)
+    pos[int8_key_order(gs)] = torch.arange(gs, dtype=torch.int32)
+    return hadamard_signs(gs, fmt.seed).to(device), pos.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _codebook_int8_words(fmt_name: str) -> tuple[int, int]:
+    """The int8 product's two byte-permute words (``linear_mma_jit.INT8_LOOKUP4_ASM``): tq4, the byte of each
+    magnitude rank 0-7 (its positive entry's, ``weight_codec.int8_codebook``); tq3, the byte of each index."""
+    table, _ = int8_codebook(fmt_name)
+    if table.numel() == 16:
+        table = table[8:]
+    b = [int(v) & 0xFF for v in table]
+    words = [b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in (0, 4)]
+    return tuple(v - (1 << 32) if v >= 1 << 31 else v for v in words)
+
+
+@functools.lru_cache(maxsize=16)
+def _codebook_int8_tensor(fmt_name: str, device: str) -> torch.Tensor:
+    """``_codebook_int8_words`` as int32 [2] on ``device``, made once (CUDA-graph capture copies nothing)."""
+    return torch.tensor(_codebook_int8_words(fmt_name), dtype=torch.int32, device=device)
+
+
 @functools.lru_cache(maxsize=16)
 def _codebook_words(fmt_name: str) -> tuple[int, ...]:
     """The register-tile kernel's 8 codebook words: a 4-bit codebook (symmetric about zero) as its magnitudes'
@@ -164,6 +216,13 @@ def _gluon_runs(device: str) -> bool:
     from .paged_decode import _gluon_runs as runs
 
     return runs(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_runs(device: str) -> bool:
+    """Programmatic dependent launch: CUDA GPUs of sm_90 and later."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,22 +244,33 @@ def _split_count(tiles: int, groups: int, programs_per_sm: int, device: str) -> 
 
 
 def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    from ..kernels.linear_jit import tq_rotate_fp16_kernel
+    from ..kernels.linear_jit import tq_rotate_fp16_kernel, tq_rotate_int8_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
     from ..kernels.linear_wgmma_jit import tq_linear_wgmma_kernel
+    from .paged_decode import _pdl_launch
 
     fmt = w.fmt
     rows, dev = x.shape[0], str(x.device)
     groups = fmt.groups(w.in_features)
-    xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.float16, device=x.device)
-    xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features, x.stride(0),
-                                          xq.stride(0), xs.stride(0), num_warps=1)
     wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
+    int8 = (rows <= WGMMA_INT8_MAX_ROWS if wgmma else bool(MMA_INT8)) and w.kernel_words
+    pdl = bool(MMA_PDL) and not wgmma and _pdl_runs(dev)
+    xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.int8 if int8 else torch.float16, device=x.device)
+    xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if int8:
+        sx = torch.empty(rows, groups, dtype=torch.int32, device=x.device)
+        unit = int8_codebook(fmt.name)[1] / 2 / math.sqrt(fmt.group_size)
+        tq_rotate_int8_kernel[(rows, groups)](x, *mma_int8_rotation_tables(fmt.name, dev), xq, xs, sx, w.in_features,
+                                              unit, x.stride(0), xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
+    else:
+        sx = xs  # not read
+        tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features,
+                                              x.stride(0), xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
     if wgmma:
         bn, nq = WGMMA_BLOCK_O, wgmma_columns(rows)
         tiles = triton.cdiv(w.out_features, bn)
-        splits = _split_count(tiles, groups, WGMMA_PROGRAMS_PER_SM, dev)
+        per_sm = WGMMA_PROGRAMS_PER_SM if nq <= 16 else WGMMA_WIDE_PROGRAMS_PER_SM
+        splits = _split_count(tiles, groups, per_sm, dev)
     else:
         bn, nq = mma_tiles(rows)
         tiles = triton.cdiv(w.out_features, bn) * triton.cdiv(rows, nq)
@@ -212,15 +282,18 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
         counters = _split_counters(dev, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     else:
         part = counters = y  # not read
-    args = (xq, xs, w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features,
-            groups, per_split, xq.stride(0), xs.stride(0), y.stride(0), *_codebook_words(fmt.name))
+    words = (0,) * 8 if int8 else _codebook_words(fmt.name)
+    args = (w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
+            per_split, xq.stride(0), xs.stride(0), y.stride(0), *words)
+    cb = _codebook_int8_tensor(fmt.name, dev) if int8 else xs  # not read without int8
     if wgmma:
-        tq_linear_wgmma_kernel[(tiles, splits)](*args, BITS=fmt.bits, NQ=nq, HAS_BIAS=bias is not None,
-                                                SPLIT=splits > 1, WORDS=w.kernel_words, num_warps=4)
+        tq_linear_wgmma_kernel[(tiles, splits)](xq, xs, sx, cb, *args, BITS=fmt.bits, NQ=nq,
+                                                HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
+                                                INT8=int8, num_warps=4)
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
-            *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
-            num_warps=1)
+            xq, xs, sx, cb, *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+            WORDS=w.kernel_words, INT8=int8, num_warps=1, **_pdl_launch(pdl))
     return y
 
 

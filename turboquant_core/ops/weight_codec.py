@@ -234,3 +234,49 @@ def tq_linear_reference(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None 
     y = torch.einsum("...gd,ogd->...o", xr, rotated_weight(w))
     return y if bias is None else y + bias.float()
 
+
+def int8_codebook(fmt: WeightFormat | str) -> tuple[torch.Tensor, float]:
+    """The format's codebook on an 8-bit grid, for the int8 tensor-core product: (bytes, int64 [2^bits] by Lloyd-Max
+    index; unit u) with c[i] ~ (bytes[i] + 0.5) u. The largest magnitude is 127.5 u (at most u / 2 off each entry);
+    a negative entry's byte is the bitwise complement of its mirror's (-b - 1), so the grid is as symmetric as the
+    codebook, and the half units add up to u / 2 times the activation group's sum."""
+    from ..codebooks import codebook_tensors
+
+    fmt = get_weight_format(fmt) if isinstance(fmt, str) else fmt
+    cb = codebook_tensors(fmt.bits, fmt.group_size)[0].double()
+    half = cb.numel() // 2
+    unit = float(cb[-1]) / 127.5
+    q = torch.clamp(torch.round(cb[half:] / unit - 0.5), 0, 127).long()
+    return torch.cat([-q.flip(0) - 1, q]), unit
+
+
+def int8_activation(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised rotated activation groups [..., groups, group_size] (fp32) -> (int8 values as float32, |v| <= 127;
+    their step, a power of two per group [..., groups]) with values * step ~ xr: the step is the group's absolute
+    maximum rounded up to a power of two, over 128."""
+    amax = xr.abs().amax(-1).clamp_min(1e-30)
+    step = torch.exp2(torch.ceil(torch.log2(amax)) - 7.0)
+    return torch.clamp(torch.floor(xr / step[..., None] + 0.5), -127.0, 127.0), step
+
+
+def tq_linear_int8_reference(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> x W_hat^T (+ bias) [..., out], float32, as the int8 tensor-core product computes it: each
+    activation group rotated (unnormalised) and rounded to int8 (``int8_activation``), the weight as the bytes of
+    ``int8_codebook``; per group y += s (u / 2) (step / sqrt(group_size)) (2 sum(b xq) + sum(xq)). Given x in the
+    kernels' compute type (fp16 for float32 input), equal to their float32 sums up to summation order."""
+    from ..rotation import fwht, hadamard_signs
+
+    w.check()
+    fmt = w.fmt
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"{fmt.name}: activation has {x.shape[-1]} features, the weight {w.in_features}")
+    gs, groups = fmt.group_size, fmt.groups(w.in_features)
+    xg = pad_to_groups(x.float(), fmt).reshape(*x.shape[:-1], groups, gs)
+    xq, step = int8_activation(fwht(xg * hadamard_signs(gs, fmt.seed).to(xg.device)))
+    table, unit = int8_codebook(fmt)
+    code = _code(w)
+    b = table.to(code.idx.device)[code.idx.long()].double()  # [out, groups, gs]
+    p = torch.einsum("...gd,ogd->...og", xq.double(), b)  # exact: |p| < 2^21
+    total = 2 * p + xq.double().sum(-1)[..., None, :]
+    y = (total * code.scale.double() * (unit / 2) * (step.double() / gs ** 0.5)[..., None, :]).sum(-1).float()
+    return y if bias is None else y + bias.float()
