@@ -133,6 +133,8 @@ linear._gluon_runs = lambda device: True
 linear._wgmma_runs = lambda device: True  # as on an H100 or H200
 linear._pdl_runs = lambda device: True
 fmt, out_features, in_features, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+for name, value in json.loads(sys.argv[6]).items():  # --set
+    setattr(linear, name, value)
 f = get_weight_format(fmt)
 groups = f.groups(in_features)
 w = served_layout(TQWeight(fmt, torch.zeros(out_features, groups, 16 * f.bits, dtype=torch.uint8),
@@ -198,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--centred", action="store_true", help="keys stored with key centering (the serving default)")
     ap.add_argument("--linear", metavar="FORMAT", default=None, help="the weight product of tq4 or tq3 instead")
     ap.add_argument("--rows", default="1,8,16", help="with --linear: activation rows, one variant each")
+    ap.add_argument("--set", default="", metavar="NAME=INT,...",
+                    help="with --linear: launcher constants of ops.linear for a study, e.g. MMA_WORDS_AHEAD=2")
     ap.add_argument("--mla", metavar="PRESET", default=None, help="the MLA decode's tile loop for a latent preset")
     ap.add_argument("--mla-kernel", choices=("wgmma", "mma"), default="wgmma", help="with --mla: which decode kernel")
     ap.add_argument("--out", type=Path, required=True)
@@ -243,8 +247,16 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     if args.linear not in WEIGHT_FORMATS:
         raise SystemExit(f"unknown weight format {args.linear!r}; valid: {', '.join(WEIGHT_FORMATS)}")
     out_features, in_features = 24576, 4096  # Qwen3-8B gate_up
+    from turboquant_core.ops import linear
+
+    knobs = {}
+    for item in filter(None, (t.strip() for t in args.set.split(","))):
+        name, _, value = item.partition("=")
+        if not name.isupper() or not isinstance(getattr(linear, name, None), (bool, int)):
+            raise SystemExit(f"--set {name!r}: not an integer launcher constant of turboquant_core.ops.linear")
+        knobs[name] = int(value)
     found = run_child(CHILD_LINEAR, [args.linear, str(out_features), str(in_features), os.path.join(scratch, "k"),
-                                     args.rows], env)
+                                     args.rows, json.dumps(knobs)], env)
     variants = []
     for v in found["variants"]:
         mix = loop_mix(sass_of(cuobjdump, v["cubin"]))
