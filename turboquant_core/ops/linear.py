@@ -44,8 +44,6 @@ WGMMA_WIDE_PROGRAMS_PER_SM = 2  # from 32 columns, where each group's products t
 WGMMA_BLOCK_O = 64  # output rows per program of the warpgroup kernel
 MMA_INT8 = True  # the register-tile kernel's product in int8 (kernel words only): codebook bytes, int8 activation
 MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
-MMA_WORDS_AHEAD = 1  # register-tile kernel: groups whose weight is in flight while one is decoded (1 or 2)
-MMA_OPERANDS_AHEAD = 0  # register-tile kernel: 1 loads each group's scales a group ahead too
 WGMMA_INT8_MAX_ROWS = 8  # the warpgroup kernel's product in int8 likewise, up to this many rows (past them its
 # integer sums' scaling per group costs more than the decode saves)
 
@@ -295,8 +293,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
             xq, xs, sx, cb, *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-            WORDS=w.kernel_words, INT8=int8, WORDS_AHEAD=MMA_WORDS_AHEAD, OPERANDS_AHEAD=MMA_OPERANDS_AHEAD,
-            num_warps=1, **_pdl_launch(pdl))
+            WORDS=w.kernel_words, INT8=int8, num_warps=1, **_pdl_launch(pdl))
     return y
 
 
