@@ -79,6 +79,26 @@ def _fwht(x):
     return x
 
 
+@triton.jit
+def _butterfly_rotated_group(X, SIGNS, in_features, stride_x, PDL: tl.constexpr):
+    """(row, group, coordinates, sqrt(128) R x) of the program's row (program 0) and group (program 1) of X, the last
+    group zero-padded: exact sign flips, fp32 butterflies. With ``PDL`` the dependent product may launch at once."""
+    if PDL:
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1)
+    d = tl.arange(0, GROUP)
+    col = gi * GROUP + d
+    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
+    return row, gi, d, _fwht(x * tl.load(SIGNS + d))
+
+
+@triton.jit
+def _power_of_two_step(xr, bits: tl.constexpr):
+    """The group's absolute maximum rounded up to a power of two, over 2^bits."""
+    return tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - bits)
+
+
 # Rows and groups are the grid: nothing is specialized, one variant serves every decode batch.
 @triton.jit
 def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs,
@@ -90,15 +110,8 @@ def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_x
     0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane.
     ``PDL``: the product after it may launch at once (it waits for this grid before it reads XQ and XS); this grid
     is a few programs, all resident by then."""
-    if PDL:
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1)
-    d = tl.arange(0, GROUP)
-    col = gi * GROUP + d
-    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
-    xr = _fwht(x * tl.load(SIGNS + d))  # sqrt(128) R x: exact sign flips, fp32 sums
-    scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 14.0)
+    row, gi, d, xr = _butterfly_rotated_group(X, SIGNS, in_features, stride_x, PDL)
+    scale = _power_of_two_step(xr, 14.0)
     tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), (xr / scale).to(tl.float16))
     tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
 
@@ -113,15 +126,8 @@ def tq_rotate_int8_kernel(X, SIGNS, POS, XQ, XS, SX, in_features, unit, stride_x
     ``unit`` (the weight codebook's half unit over sqrt(128)); SX int32 [rows, groups] the sum of the group's XQ, which
     the weight bytes' half units multiply. ``ops.weight_codec.int8_activation`` is the reference. ``PDL`` as for
     ``tq_rotate_fp16_kernel``."""
-    if PDL:
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    gi = tl.program_id(1)
-    d = tl.arange(0, GROUP)
-    col = gi * GROUP + d
-    x = tl.load(X + row * stride_x + col, mask=col < in_features, other=0.0).to(tl.float32)
-    xr = _fwht(x * tl.load(SIGNS + d))
-    step = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-30))) - 7.0)
+    row, gi, d, xr = _butterfly_rotated_group(X, SIGNS, in_features, stride_x, PDL)
+    step = _power_of_two_step(xr, 7.0)
     q = tl.minimum(tl.maximum(tl.floor(xr / step + 0.5), -127.0), 127.0)
     tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), q.to(tl.int8))
     tl.store(XS + row * stride_xs + gi, step * unit)
