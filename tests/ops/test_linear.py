@@ -77,9 +77,14 @@ def test_kernel_matches_the_rotated_reference(fmt, served, out, inp, rows, path,
     torch.testing.assert_close(got, want, rtol=2e-3, atol=3e-3 * want.abs().max().item())
 
 
-def test_leading_dims_bf16_and_outliers_beyond_fp16(device):
+@pytest.mark.parametrize("served", [False, True], ids=["planar8", "served"])
+def test_leading_dims_bf16_and_outliers_beyond_fp16(served, device):
+    """A bf16 activation with an entry fp16 cannot hold, in fp16 (as stored) and, over kernel words on a GPU, in int8:
+    finite, and near the exact product."""
     weight, _ = _case(48, 256, 1, 11, device)
     w = quantize_weight(weight, "tq4")
+    if served:
+        w = served_layout(w)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(4)).to(device)
     x[0, 1, 7] = 3.0e5  # a bf16 activation fp16 cannot hold
     x = x.to(torch.bfloat16)
