@@ -87,8 +87,10 @@ DEFAULT_CONFIGS = "bf16,fp8,stock-k3v4,ours-k3v4,ours-k4v3,ours-4bit,ours-2bit"
 WEIGHT_CONFIGS = {"bf16": ("patched", "auto", None), "fp8": ("patched", "auto", "fp8"),
                   "awq-marlin": ("patched", "auto", "awq_marlin"), "tq4": ("patched", "auto", "tq4"),
                   "tq3": ("patched", "auto", "tq3"), "tq4+k3v4": ("patched", "turboquant_k3v4_nc", "tq4"),
-                  "tq4-lm-head": ("patched", "auto+tq_weights_lm_head=true", "tq4")}
-# The weights issue's configs; tq4-lm-head (the output head encoded too, --tq-weights-lm-head) runs when named.
+                  "tq4-lm-head": ("patched", "auto+tq_weights_lm_head=true", "tq4"),
+                  "tq4-fp16-decode": ("patched", "auto+tq_weights_decode_int8=false", "tq4")}
+# The weights issue's configs; tq4-lm-head (the output head encoded too, --tq-weights-lm-head) and tq4-fp16-decode
+# (decode products with the fp16 activation, --no-tq-weights-decode-int8) run when named.
 DEFAULT_WEIGHT_CONFIGS = "bf16,fp8,awq-marlin,tq4,tq3,tq4+k3v4"
 GIB = 1 << 30
 AWQ_DUMMY_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}

@@ -12,8 +12,8 @@ from turboquant_core.config import KEY_SMOOTHING_MODES, TQConfig, with_deprecate
 def test_defaults_and_frozen():
     cfg = TQConfig()
     assert (cfg.key_centering, cfg.key_smoothing, cfg.boundary_layers, cfg.attention_workspace_mb,
-            cfg.prefill_from_cache, cfg.compile_workers, cfg.decode_kernel, cfg.weights_lm_head) == (
-        True, "auto", 0, 32, False, 0, "auto", False)
+            cfg.prefill_from_cache, cfg.compile_workers, cfg.decode_kernel, cfg.weights_lm_head,
+            cfg.weights_decode_int8) == (True, "auto", 0, 32, False, 0, "auto", False, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.key_centering = False
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # travels to vLLM's worker processes
@@ -30,6 +30,7 @@ def test_defaults_and_frozen():
     (dict(compile_workers=2.0), "compile_workers must be an integer >= 0"),
     (dict(decode_kernel="mma"), "decode_kernel must be one of auto, register-tile, wgmma, got 'mma'"),
     (dict(weights_lm_head="yes"), "weights_lm_head must be true or false, got 'yes'"),
+    (dict(weights_decode_int8=0), "weights_decode_int8 must be true or false, got 0"),
 ])
 def test_bad_values_name_the_valid_ones(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -43,6 +44,7 @@ def test_uuid_is_stable_and_tells_options_apart():
     assert TQConfig(compile_workers=1).uuid() != TQConfig().uuid()
     assert TQConfig(decode_kernel="wgmma").uuid() != TQConfig().uuid()
     assert TQConfig(weights_lm_head=True).uuid() != TQConfig().uuid()
+    assert TQConfig(weights_decode_int8=False).uuid() != TQConfig().uuid()
 
 
 def test_from_vllm_reads_the_cache_config_and_falls_back_to_defaults():

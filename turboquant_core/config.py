@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Serving options of TurboQuant (the KV cache's, and the output head of ``--quantization tq3|tq4``): one frozen
+"""Serving options of TurboQuant (the KV cache's, and the weights' of ``--quantization tq3|tq4``): one frozen
 object, carried in vLLM's ``CacheConfig.turboquant`` and set from the command line (``vllm serve ...
 --tq-key-centering / --tq-key-smoothing / --tq-boundary-layers / --tq-attention-workspace-mb / --tq-prefill-from-cache
-/ --tq-compile-workers / --tq-decode-kernel / --tq-weights-lm-head``). The vLLM glue reads it at construction; nothing
-reads the environment.
+/ --tq-compile-workers / --tq-decode-kernel / --tq-weights-lm-head / --tq-weights-decode-int8``). The vLLM glue reads
+it at construction; nothing reads the environment.
 
 The ``TQ_*`` environment variables of earlier releases are read once, when the engine's configuration is made, with a
 deprecation warning naming the option that replaces each; an explicitly set option wins over them.
@@ -45,6 +45,10 @@ class TQConfig:
     weights_lm_head: with ``--quantization tq3|tq4``, the output head (lm_head) is encoded in the same format as the
         linear layers (``vllm.quant_config``); off by default. A head that shares the input embedding's weight
         (``tie_word_embeddings``) is refused; the input embedding stays as it is.
+    weights_decode_int8: with ``--quantization tq3|tq4``, decode-sized products (``ops.linear``: the register-tile
+        kernel, the warpgroup kernel up to 8 rows) multiply the codebook's bytes by the rotated activation rounded to
+        int8 per group of 128 at a power-of-two step (on by default: faster); off, by the fp16 activation. Prefill
+        and other large batches decode the weight for cuBLAS either way.
     """
 
     key_centering: bool = True
@@ -55,6 +59,7 @@ class TQConfig:
     compile_workers: int = 0
     decode_kernel: str = "auto"
     weights_lm_head: bool = False
+    weights_decode_int8: bool = True
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -77,6 +82,8 @@ class TQConfig:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
         if not isinstance(self.weights_lm_head, bool):
             raise ValueError(f"weights_lm_head must be true or false, got {self.weights_lm_head!r}")
+        if not isinstance(self.weights_decode_int8, bool):
+            raise ValueError(f"weights_decode_int8 must be true or false, got {self.weights_decode_int8!r}")
 
     def uuid(self) -> str:
         """Stable identity (vLLM's config hashing accepts objects that provide one)."""
@@ -87,7 +94,8 @@ class TQConfig:
                 f"{self.boundary_layers} boundary layers, attention workspace {self.attention_workspace_mb} MiB, "
                 f"prefill {'from the cache' if self.prefill_from_cache else 'in bf16'}, "
                 f"{self.compile_workers or 'automatic'} compile workers, decode kernel {self.decode_kernel}"
-                + (", output head encoded" if self.weights_lm_head else ""))
+                + (", output head encoded" if self.weights_lm_head else "")
+                + ("" if self.weights_decode_int8 else ", weight products in fp16 at decode"))
 
     @classmethod
     def from_vllm(cls, vllm_config) -> TQConfig:

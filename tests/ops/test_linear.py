@@ -266,6 +266,19 @@ def test_many_rows_take_the_decoded_weight(fmt, dtype, device):
     torch.testing.assert_close(got.float(), few.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_decode_int8_off_takes_the_fp16_product(rows, monkeypatch):
+    """``decode_int8=False`` (``--no-tq-weights-decode-int8``): over kernel words, the same bits as the fp16
+    products, the register-tile kernel's and (8 rows, sm_90) the warpgroup kernel's."""
+    weight, x = _case(96, 640, rows, 29, "cuda", torch.bfloat16)
+    w = served_layout(quantize_weight(weight, "tq4"))
+    got = tq_linear(x, w, decode_int8=False)
+    monkeypatch.setattr(linear_ops, "MMA_INT8", False)
+    monkeypatch.setattr(linear_ops, "WGMMA_INT8_MAX_ROWS", 0)
+    assert torch.equal(got, tq_linear(x, w))
+
+
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):

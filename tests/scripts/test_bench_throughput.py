@@ -66,6 +66,10 @@ def test_weights_suite_configs_and_engine_arguments(bench):
     args.kv_cache_dtype, args.quantization = head[2], head[3]
     kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
     assert kw["quantization"] == "tq4" and kw["tq_weights_lm_head"] is True and kw["kv_cache_dtype"] == "auto"
+    (fp16,) = bench.parse_weight_configs("tq4-fp16-decode")
+    args.kv_cache_dtype, args.quantization = fp16[2], fp16[3]
+    kw = bench.engine_kwargs(args, bench.parse_scenarios("W"))
+    assert kw["quantization"] == "tq4" and kw["tq_weights_decode_int8"] is False
 
 
 def test_weights_table_when_rows_carry_model_memory(bench):

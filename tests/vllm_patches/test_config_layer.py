@@ -154,6 +154,8 @@ def test_turboquant_options_from_the_command_line(parser, vllm_modules, no_tq_en
     for argv in ([], ["--quantization", "fp8"]):  # the head is encoded only by --quantization tq3|tq4
         with pytest.raises(ValueError, match="--tq-weights-lm-head encodes the output head with --quantization tq"):
             _tq_config(parser, arg_utils, argv + ["--tq-weights-lm-head"])
+    # the decode products' int8 applies to tq checkpoints as well: no --quantization needed
+    assert _tq_config(parser, arg_utils, ["--no-tq-weights-decode-int8"]) == TQConfig(weights_decode_int8=False)
 
 
 def test_turboquant_options_in_help_with_their_choices(parser, capsys):
@@ -162,7 +164,8 @@ def test_turboquant_options_in_help_with_their_choices(parser, capsys):
     out = capsys.readouterr().out
     for option in ("--tq-key-centering", "--no-tq-key-centering", "--tq-key-smoothing", "--tq-boundary-layers",
                    "--tq-attention-workspace-mb", "--tq-prefill-from-cache", "--no-tq-prefill-from-cache",
-                   "--tq-compile-workers", "--tq-decode-kernel", "--tq-weights-lm-head", "--no-tq-weights-lm-head"):
+                   "--tq-compile-workers", "--tq-decode-kernel", "--tq-weights-lm-head", "--no-tq-weights-lm-head",
+                   "--tq-weights-decode-int8", "--no-tq-weights-decode-int8"):
         assert option in out
     assert "{auto,all,off}" in out and "{auto,register-tile,wgmma}" in out
     with pytest.raises(SystemExit) as exc:

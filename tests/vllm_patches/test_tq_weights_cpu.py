@@ -147,6 +147,30 @@ def test_the_output_head_is_encoded_when_the_engine_asks(vllm_linear, monkeypatc
                                 prefix="model.layers.0.mlp.down_proj")
 
 
+def test_decode_int8_follows_the_engines_option(vllm_linear, monkeypatch):
+    """--tq-weights-decode-int8 (TQConfig.weights_decode_int8, on by default): every linear method of the online and
+    checkpoint configs takes it from the engine's config at construction and hands it to the product op."""
+    from turboquant_core.config import TQConfig
+    from turboquant_core.vllm import quant_config as qc
+
+    linear, _, get_config, set_current, VllmConfig = vllm_linear
+    seen = []
+    monkeypatch.setattr(qc, "tq_linear_op", lambda *args: seen.append(args[-1]) or args[0].new_zeros(1))
+    for decode_int8 in (True, False):
+        engine = VllmConfig()
+        engine.cache_config.turboquant = TQConfig(weights_decode_int8=decode_int8)
+        with set_current(engine):
+            online = linear.ReplicatedLinear(256, 64, bias=False, params_dtype=torch.float32,
+                                             quant_config=get_config("tq4")(), prefix="o_proj")
+            stored = linear.ReplicatedLinear(256, 64, bias=False, params_dtype=torch.float32,
+                                             quant_config=qc.TQCheckpointConfig(qc.get_weight_format("tq3"), []),
+                                             prefix="o_proj")
+        for layer in (online, stored):
+            assert layer.quant_method.decode_int8 is decode_int8
+            layer.quant_method.apply(layer, torch.zeros(1, 256))
+    assert seen == [True, True, False, False]
+
+
 def test_moe_routers_stay_in_full_precision(vllm_linear):
     """A MoE block's router (``mlp.gate``, ``shared_expert_gate``) keeps its weight: a perturbed router picks other
     experts. Other layers named like projections are encoded."""

@@ -99,15 +99,15 @@ def _split_counters(device: str, stream: int) -> torch.Tensor:
 
 @torch.library.custom_op("turboquant::tq_linear", mutates_args=())
 def tq_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, decode_int8: bool = True) -> torch.Tensor:
     """``tq_linear`` as one opaque op (torch.compile and CUDA graphs see a single call). The split products'
     arrival counters it touches are zero again when it returns: it mutates nothing a caller can see."""
-    return tq_linear(x, TQWeight(fmt, packed, scales, x.shape[-1]), bias)
+    return tq_linear(x, TQWeight(fmt, packed, scales, x.shape[-1]), bias, decode_int8)
 
 
 @tq_linear_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
-      bias: torch.Tensor | None = None) -> torch.Tensor:
+      bias: torch.Tensor | None = None, decode_int8: bool = True) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
@@ -115,8 +115,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float16
 
 
-def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> x W_hat^T (+ bias) [..., out] in x's dtype (see the module docstring)."""
+def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None,
+              decode_int8: bool = True) -> torch.Tensor:
+    """x [..., in] -> x W_hat^T (+ bias) [..., out] in x's dtype (see the module docstring). ``decode_int8``: the
+    decode-sized products may run in int8 (``TQConfig.weights_decode_int8``); off, they keep the activation in fp16."""
     w.check()
     fmt = w.fmt
     if x.shape[-1] != w.in_features:
@@ -127,7 +129,7 @@ def tq_linear(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None = None) ->
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if rows <= MMA_MAX_ROWS and _gluon_runs(str(x2.device)):
-        y = _mma_product(x2, w, bias)
+        y = _mma_product(x2, w, bias, decode_int8)
     else:
         y = _decoded_product(x2, w, bias)
     return y.to(x.dtype).reshape(*lead, w.out_features)
@@ -243,7 +245,7 @@ def _split_count(tiles: int, groups: int, programs_per_sm: int, device: str) -> 
     return triton.cdiv(groups, triton.cdiv(groups, splits))
 
 
-def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode_int8: bool = True) -> torch.Tensor:
     from ..kernels.linear_jit import tq_rotate_fp16_kernel, tq_rotate_int8_kernel
     from ..kernels.linear_mma_jit import tq_linear_mma_kernel
     from ..kernels.linear_wgmma_jit import tq_linear_wgmma_kernel
@@ -253,7 +255,7 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None) -> tor
     rows, dev = x.shape[0], str(x.device)
     groups = fmt.groups(w.in_features)
     wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
-    int8 = (rows <= WGMMA_INT8_MAX_ROWS if wgmma else bool(MMA_INT8)) and w.kernel_words
+    int8 = decode_int8 and (rows <= WGMMA_INT8_MAX_ROWS if wgmma else bool(MMA_INT8)) and w.kernel_words
     pdl = bool(MMA_PDL) and not wgmma and _pdl_runs(dev)
     xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.int8 if int8 else torch.float16, device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)

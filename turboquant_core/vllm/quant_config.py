@@ -60,6 +60,16 @@ class _TQQuantizationConfig(QuantizationConfig):
     def get_config_filenames() -> list[str]:
         return []
 
+    def _decode_int8(self) -> bool:
+        """The engine's ``--tq-weights-decode-int8`` (``TQConfig.weights_decode_int8``), read at the first layer."""
+        if getattr(self, "_decode_int8_option", None) is None:
+            from vllm.config import get_current_vllm_config
+
+            from ..config import TQConfig
+
+            self._decode_int8_option = TQConfig.from_vllm(get_current_vllm_config()).weights_decode_int8
+        return self._decode_int8_option
+
 
 class TQWeightConfig(_TQQuantizationConfig):
     """The base of ``TQ3Config`` and ``TQ4Config`` (one format each)."""
@@ -86,11 +96,11 @@ class TQWeightConfig(_TQQuantizationConfig):
         if isinstance(layer, LinearBase):
             if prefix.rpartition(".")[2] in ROUTER_GATES:
                 return UnquantizedLinearMethod()
-            return TQLinearMethod(self.fmt, prefix)
+            return TQLinearMethod(self.fmt, prefix, self._decode_int8())
         if isinstance(layer, RoutedExperts):
             return TQFusedMoEMethod(self.fmt, layer, prefix)
         if isinstance(layer, ParallelLMHead) and encode_head:
-            return TQLinearMethod(self.fmt, prefix)
+            return TQLinearMethod(self.fmt, prefix, self._decode_int8())
         return None
 
     def _encodes_output_head(self) -> bool:
@@ -129,8 +139,8 @@ class TQLinearMethod(LinearMethodBase):
     # layer at a time exists in full precision, never the whole model.
     uses_meta_device = True
 
-    def __init__(self, fmt: WeightFormat, prefix: str = ""):
-        self.fmt, self.prefix = fmt, prefix
+    def __init__(self, fmt: WeightFormat, prefix: str = "", decode_int8: bool = True):
+        self.fmt, self.prefix, self.decode_int8 = fmt, prefix, decode_int8
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -156,7 +166,7 @@ class TQLinearMethod(LinearMethodBase):
         layer.weight_scale = torch.nn.Parameter(q.scales, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name, bias)
+        return tq_linear_op(x, layer.weight, layer.weight_scale, self.fmt.name, bias, self.decode_int8)
 
     def dequantized_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """The encoded weight decoded [out, in] (fp32): what the layer computes with (key smoothing's row norms)."""
@@ -214,7 +224,7 @@ class TQCheckpointConfig(_TQQuantizationConfig):
         if any(kept):
             raise ValueError(f"TurboQuant checkpoint: {prefix} fuses {', '.join(shards)}, of which only some are "
                              "quantized; quantize them alike (tq quantize --keep all or none of them)")
-        return TQPackedLinearMethod(self.fmt, prefix)
+        return TQPackedLinearMethod(self.fmt, prefix, self._decode_int8())
 
     def _experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
         """A MoE layer's experts (``prefix``: ``...experts``; the checkpoint names their projections
@@ -240,8 +250,8 @@ class TQCheckpointConfig(_TQQuantizationConfig):
 class TQPackedLinearMethod(LinearMethodBase):
     """A linear layer stored in ``fmt`` in the checkpoint: ``weight_packed`` and ``weight_scale`` as written."""
 
-    def __init__(self, fmt: WeightFormat, prefix: str = ""):
-        self.fmt, self.prefix = fmt, prefix
+    def __init__(self, fmt: WeightFormat, prefix: str = "", decode_int8: bool = True):
+        self.fmt, self.prefix, self.decode_int8 = fmt, prefix, decode_int8
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -271,4 +281,4 @@ class TQPackedLinearMethod(LinearMethodBase):
         layer.weight_packed = torch.nn.Parameter(w.packed, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name, bias)
+        return tq_linear_op(x, layer.weight_packed, layer.weight_scale, self.fmt.name, bias, self.decode_int8)
