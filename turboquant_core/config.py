@@ -45,10 +45,11 @@ class TQConfig:
     weights_lm_head: with ``--quantization tq3|tq4``, the output head (lm_head) is encoded in the same format as the
         linear layers (``vllm.quant_config``); off by default. A head that shares the input embedding's weight
         (``tie_word_embeddings``) is refused; the input embedding stays as it is.
-    weights_decode_int8: with ``--quantization tq3|tq4``, decode-sized products (``ops.linear``: the register-tile
-        kernel, the warpgroup kernel up to 8 rows) multiply the codebook's bytes by the rotated activation rounded to
-        int8 per group of 128 at a power-of-two step (on by default: faster); off, by the fp16 activation. Prefill
-        and other large batches decode the weight for cuBLAS either way.
+    weights_decode_int8: with TurboQuant weights (``--quantization tq3|tq4`` or a ``tq quantize`` checkpoint),
+        decode-sized products (``ops.linear``: the register-tile kernel, the warpgroup kernel up to 8 rows) multiply
+        the codebook's bytes by the rotated activation rounded to int8 per group of 128 at a power-of-two step (on by
+        default: faster); off, by the fp16 activation. Prefill and other large batches decode the weight for cuBLAS
+        either way.
     """
 
     key_centering: bool = True
