@@ -165,6 +165,7 @@ def test_decode_int8_follows_the_engines_option(vllm_linear, monkeypatch):
             stored = linear.ReplicatedLinear(256, 64, bias=False, params_dtype=torch.float32,
                                              quant_config=qc.TQCheckpointConfig(qc.get_weight_format("tq3"), []),
                                              prefix="o_proj")
+        _load(online, torch.randn(64, 256) * 0.05)
         for layer in (online, stored):
             assert layer.quant_method.decode_int8 is decode_int8
             layer.quant_method.apply(layer, torch.zeros(1, 256))
