@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtypes", default=None, help="comma list of KV-cache dtypes (default: auto, fp8, every "
                    "turboquant_* preset); 'bf16' means 'auto'")
     g.add_argument("--weights", default="none",
-                   help="comma list of: none, fp8, tq4, tq3, rtn4, rtn3 (default: none); each name but none is one "
-                   "config with KV dtype auto on patched; rtn* is the round-to-nearest control at tq's group size "
-                   "and bytes; 'bf16' means 'none'")
+                   help="comma list of: none, fp8, tq4, tq3, rtn4, rtn3, tq4-fp16-decode, tq3-fp16-decode (default: "
+                   "none); each name but none is one config with KV dtype auto on patched; rtn* is the "
+                   "round-to-nearest control at tq's group size and bytes; *-fp16-decode keeps the decode-sized "
+                   "products' activation in fp16 (--no-tq-weights-decode-int8; with --prefill-chunk <= 64 the "
+                   "scored positions run them); 'bf16' means 'none'")
     g.add_argument("--rtn-dir", default=None,
                    help="where the RTN controls' model folders are written and reused, one per (model, bits) "
                    f"(default: the run's {RAW_DIR}/{RTN_DIR}/)")

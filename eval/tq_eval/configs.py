@@ -6,8 +6,10 @@ An *install* is a Python path holding a vLLM build: ``stock`` (unpatched vLLM 0.
 install first on PYTHONPATH, one vLLM engine for all tasks.
 
 *Weights* say how the linear weights are served: ``none`` (the checkpoint as it is, bf16), vLLM's online
-``fp8``, ``tq4``/``tq3`` (this fork's ``--quantization``), or ``rtn4``/``rtn3``, the round-to-nearest control
-at tq's group size and bytes (``tq_eval.rtn``), served as a fake-quantized copy of the model folder. The
+``fp8``, ``tq4``/``tq3`` (this fork's ``--quantization``), ``tq4-fp16-decode``/``tq3-fp16-decode`` (the same with
+``--no-tq-weights-decode-int8``: decode-sized products keep the activation in fp16; a prefill chunk of at most 64
+tokens runs them), or ``rtn4``/``rtn3``, the round-to-nearest control at tq's group size and bytes
+(``tq_eval.rtn``), served as a fake-quantized copy of the model folder. The
 KV-cache dtype configs keep weights ``none``; each other weights name is one config, KV dtype ``auto``, patched.
 """
 
@@ -33,6 +35,7 @@ NO_WEIGHTS = "none"  # the checkpoint's own weights (bf16 for the models here)
 WEIGHT_ALIASES = {"bf16": "none", "bfloat16": "none"}
 WEIGHT_BASELINES = ("none", "fp8")  # vLLM's own: the checkpoint as it is, online fp8
 RTN_PREFIX = "rtn"
+FP16_DECODE_SUFFIX = "-fp16-decode"  # tq4-fp16-decode: --quantization tq4 --no-tq-weights-decode-int8
 WEIGHTS_INSTALL = "patched"  # tq3/tq4 exist only there; the other weight configs run beside them
 
 
@@ -72,7 +75,7 @@ def rtn_name(tq_name: str) -> str:
 
 def valid_weights() -> tuple[str, ...]:
     tq = tq_weight_names()
-    return WEIGHT_BASELINES + tq + tuple(rtn_name(n) for n in tq)
+    return WEIGHT_BASELINES + tq + tuple(rtn_name(n) for n in tq) + tuple(n + FP16_DECODE_SUFFIX for n in tq)
 
 
 def normalize_weights(name: str) -> str:
@@ -105,7 +108,14 @@ def rtn_bits(weights: str) -> int | None:
 def vllm_quantization(weights: str) -> str | None:
     """vLLM's ``quantization=`` for these weights: None for the checkpoint as it is and for the RTN control
     (a plain checkpoint too, only its values are rounded)."""
-    return None if weights == NO_WEIGHTS or rtn_bits(weights) is not None else weights
+    if weights == NO_WEIGHTS or rtn_bits(weights) is not None:
+        return None
+    return weights.removesuffix(FP16_DECODE_SUFFIX)
+
+
+def weights_engine_options(weights: str) -> dict:
+    """vLLM engine arguments these weights add besides ``quantization=``."""
+    return {"tq_weights_decode_int8": False} if weights.endswith(FP16_DECODE_SUFFIX) else {}
 
 
 def parse_installs(text: str) -> list[str]:
@@ -214,7 +224,8 @@ class EngineSettings:
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
 
-    def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int, quantization: str | None = None) -> dict:
+    def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int, quantization: str | None = None,
+                      options: dict | None = None) -> dict:
         kw = dict(
             model=model_path,
             tokenizer=model_path,
@@ -232,6 +243,7 @@ class EngineSettings:
         )
         if quantization:
             kw["quantization"] = quantization
+        kw.update(options or {})
         if self.max_model_len:
             kw["max_model_len"] = self.max_model_len
         if self.kv_cache_gib > 0:
@@ -295,8 +307,10 @@ def rtn_folder(base: Path, model: ModelInfo, weights: str) -> Path:
 
 
 def weights_rank(weights: str) -> int:
-    """Order of plans and reports: none, tq4, rtn4, tq3, rtn3, ..., fp8 (each tq format next to its control)."""
-    order = [NO_WEIGHTS] + [n for tq in tq_weight_names() for n in (tq, rtn_name(tq))] + ["fp8"]
+    """Order of plans and reports: none, tq4, tq4-fp16-decode, rtn4, tq3, ..., fp8 (each tq format next to its
+    fp16-decode run and its control)."""
+    order = [NO_WEIGHTS] + [n for tq in tq_weight_names() for n in (tq, tq + FP16_DECODE_SUFFIX, rtn_name(tq))]
+    order += ["fp8"]
     return order.index(weights) if weights in order else len(order)
 
 

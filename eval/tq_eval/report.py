@@ -442,7 +442,8 @@ def render_markdown(report: dict) -> str:
         "",
         "install: `patched` is this fork (ours), `stock` unpatched vLLM. "
         "weights: `none` the checkpoint's own (bf16), `fp8` vLLM's online fp8, `tq4`/`tq3` TurboQuant "
-        "(`--quantization`), `rtn4`/`rtn3` the round-to-nearest control at tq's group size and bytes. "
+        "(`--quantization`), `tq4-fp16-decode`/`tq3-fp16-decode` the same with decode-sized products in fp16 "
+        "(`--no-tq-weights-decode-int8`), `rtn4`/`rtn3` the round-to-nearest control at tq's group size and bytes. "
         "ΔPPL % and KL are against the bf16 run (`auto`, weights `none`); KL is a top-K lower-bound estimate (see "
         "notes). B/token/head: K+V bytes per token and KV head in this project's format table (stock rows: stock's "
         "own layout differs, so none is given). KV tokens: vLLM's reported KV-cache capacity for the fixed KV pool. "

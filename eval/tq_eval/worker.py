@@ -28,7 +28,14 @@ import numpy as np
 
 from tq_eval import niah as niah_mod
 from tq_eval import textdata
-from tq_eval.configs import NO_WEIGHTS, EngineSettings, TaskSettings, rtn_bits, vllm_quantization
+from tq_eval.configs import (
+    NO_WEIGHTS,
+    EngineSettings,
+    TaskSettings,
+    rtn_bits,
+    vllm_quantization,
+    weights_engine_options,
+)
 from tq_eval.logprob_metrics import PromptLogprobs, parse_prompt_logprobs, perplexity
 
 RESULT_FILE = "result.json"
@@ -69,10 +76,10 @@ def served_model(cfg: dict) -> tuple[str, str | None]:
 
 
 def build_engine(model_path: str, kv_cache_dtype: str, engine: EngineSettings, topk: int,
-                 quantization: str | None = None):
+                 quantization: str | None = None, options: dict | None = None):
     from vllm import LLM
 
-    return LLM(**engine.engine_kwargs(model_path, kv_cache_dtype, topk, quantization))
+    return LLM(**engine.engine_kwargs(model_path, kv_cache_dtype, topk, quantization, options))
 
 
 def lm_eval_adapter(llm, model_path: str, engine_kwargs: dict):
@@ -263,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     try:
         model_path, quantization = served_model(cfg)
+        options = weights_engine_options(cfg.get("weights") or NO_WEIGHTS)
         import vllm
 
         rec.data["engine"]["vllm_version"] = vllm.__version__
         rec.data["engine"]["vllm_path"] = str(Path(vllm.__file__).parent)
         tok = load_tokenizer(model_path)
         require_document_bos(tok, cfg["model"]["architecture"])
-        llm = build_engine(model_path, cfg["dtype"], engine, tasks.topk, quantization)
+        llm = build_engine(model_path, cfg["dtype"], engine, tasks.topk, quantization, options)
     except Exception as e:  # noqa: BLE001 -- the suite records a config that cannot start
         traceback.print_exc()
         rec.data.update(status="error", error=_error_text(e))
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rec.data["timings"]["engine_start_s"] = time.time() - t_start
     rec.data["engine"].update(_engine_facts(llm))
-    engine_kwargs = engine.engine_kwargs(model_path, cfg["dtype"], tasks.topk, quantization)
+    engine_kwargs = engine.engine_kwargs(model_path, cfg["dtype"], tasks.topk, quantization, options)
     rec.data["engine"]["kwargs"] = engine_kwargs
     rec.write()
 

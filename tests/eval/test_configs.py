@@ -105,14 +105,20 @@ def test_subprocess_env():
 
 def test_weights_parsing():
     assert C.parse_weights("bf16, tq4,rtn4,none,fp8") == ["none", "tq4", "rtn4", "fp8"]
-    assert C.valid_weights() == ("none", "fp8", "tq4", "tq3", "rtn4", "rtn3")
-    with pytest.raises(ValueError, match=r"unknown weights 'int4'; valid: none, fp8, tq4, tq3, rtn4, rtn3 "
-                                         r"\(aliases: bf16, bfloat16\)"):
+    assert C.valid_weights() == ("none", "fp8", "tq4", "tq3", "rtn4", "rtn3", "tq4-fp16-decode", "tq3-fp16-decode")
+    with pytest.raises(ValueError, match=r"unknown weights 'int4'; valid: none, fp8, tq4, tq3, rtn4, rtn3, "
+                                         r"tq4-fp16-decode, tq3-fp16-decode \(aliases: bf16, bfloat16\)"):
         C.parse_weights("tq4,int4")
     with pytest.raises(ValueError, match="no weights given"):
         C.parse_weights(" , ")
-    assert [C.vllm_quantization(w) for w in C.valid_weights()] == [None, "fp8", "tq4", "tq3", None, None]
-    assert [C.rtn_bits(w) for w in C.valid_weights()] == [None, None, None, None, 4, 3]
+    assert [C.vllm_quantization(w) for w in C.valid_weights()] == [None, "fp8", "tq4", "tq3", None, None, "tq4",
+                                                                    "tq3"]
+    assert [C.rtn_bits(w) for w in C.valid_weights()] == [None, None, None, None, 4, 3, None, None]
+    assert [C.weights_engine_options(w) for w in ("tq4", "tq4-fp16-decode")] == [
+        {}, {"tq_weights_decode_int8": False}]
+    kw = C.EngineSettings().engine_kwargs("m", "auto", 20, "tq3", C.weights_engine_options("tq3-fp16-decode"))
+    assert kw["quantization"] == "tq3" and kw["tq_weights_decode_int8"] is False
+    assert C.weights_rank("tq4") < C.weights_rank("tq4-fp16-decode") < C.weights_rank("rtn4")
     assert C.rtn_name("tq3") == "rtn3"
 
 
