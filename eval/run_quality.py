@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed KV pool per engine (vLLM kv_cache_memory_bytes); 0: size by utilization")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests per step (vLLM max_num_seqs; default: vLLM's); with --max-num-batched-tokens, "
+                   "bounds the rows each step's linear layers see")
     g.add_argument("--prefill-chunk", type=int, default=256,
                    help="prefill tokens per request per step (vLLM long_prefill_token_threshold); "
                    "0: chunked prefill off, each prompt prefilled whole in one step (NIAH/GSM8K only: "
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             enforce_eager=not args.no_enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk,
+            max_num_seqs=args.max_num_seqs,
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None

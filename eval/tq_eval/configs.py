@@ -219,10 +219,13 @@ class EngineSettings:
     # reads the KV cache then, so perplexity needs a chunk).
     prefill_chunk: int = 256
     seed: int = 1234
+    max_num_seqs: int | None = None  # None: vLLM's default
 
     def __post_init__(self):
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
     def engine_kwargs(self, model_path: str, kv_cache_dtype: str, topk: int, quantization: str | None = None,
                       options: dict | None = None) -> dict:
@@ -246,6 +249,8 @@ class EngineSettings:
         kw.update(options or {})
         if self.max_model_len:
             kw["max_model_len"] = self.max_model_len
+        if self.max_num_seqs:
+            kw["max_num_seqs"] = self.max_num_seqs
         if self.kv_cache_gib > 0:
             kw["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         return kw

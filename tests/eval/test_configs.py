@@ -119,6 +119,10 @@ def test_weights_parsing():
     kw = C.EngineSettings().engine_kwargs("m", "auto", 20, "tq3", C.weights_engine_options("tq3-fp16-decode"))
     assert kw["quantization"] == "tq3" and kw["tq_weights_decode_int8"] is False
     assert C.weights_rank("tq4") < C.weights_rank("tq4-fp16-decode") < C.weights_rank("rtn4")
+    assert "max_num_seqs" not in kw and C.EngineSettings(max_num_seqs=8).engine_kwargs("m", "auto", 20)[
+        "max_num_seqs"] == 8
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1, got 0"):
+        C.EngineSettings(max_num_seqs=0)
     assert C.rtn_name("tq3") == "rtn3"
 
 
