@@ -27,13 +27,17 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 _binders = {}
 
 
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, stack frame per thread: register spills) of a cubin's kernel, from Triton's bundled
-    cuobjdump."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump ``flag`` (``-sass``, ``-res-usage``) of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack frame per thread: register spills) of a cubin's kernel."""
+    res = cuobjdump(cubin, "-res-usage")
     return int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
 
 
@@ -66,11 +70,8 @@ class ProbedLaunch:
         return dict(kernel=self.name, regs=regs, stack=stack, shared=k.metadata.shared)
 
     def sass(self) -> str:
-        """The kernel's sm_90 SASS (after ``compile()``), from Triton's bundled cuobjdump."""
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(self.cubin)
-            f.flush()
-            return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        """The kernel's sm_90 SASS (after ``compile()``)."""
+        return cuobjdump(self.cubin, "-sass")
 
     def ptxas_notes(self) -> str:
         """What Triton's bundled ptxas says of the kernel in verbose mode (after ``compile()``): its performance

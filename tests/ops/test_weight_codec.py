@@ -13,6 +13,7 @@ from turboquant_core.ops.weight_codec import (
     TQWeight,
     dequantize_weight,
     from_kernel_words,
+    int8_codebook,
     quantize_weight,
     rotated_weight,
     served_layout,
@@ -101,18 +102,36 @@ def test_beats_round_to_nearest_at_the_same_bytes(name, heavy):
     assert ours < rtn, (ours.item(), rtn.item())
 
 
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+def test_int8_codebook_is_the_codebook_on_a_symmetric_byte_grid(fmt):
+    """Each entry within half a unit of its byte's (b + 0.5) u, the largest magnitude exactly 127.5 u, a negative
+    entry's byte the complement of its mirror's, every byte an int8."""
+    from turboquant_core.codebooks import codebook_tensors
+
+    f = get_weight_format(fmt)
+    table, unit = int8_codebook(fmt)
+    cb = codebook_tensors(f.bits, f.group_size)[0].double()
+    assert table.numel() == cb.numel() == 2 ** f.bits
+    assert ((table.double() + 0.5) * unit - cb).abs().max() <= unit / 2 + 1e-12
+    assert table[-1] == 127 and table[0] == -128 and torch.equal(table.flip(0), -table - 1)
+    assert torch.equal(table.sort().values, table)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_int8_product_stays_within_a_percent_of_the_exact_one(name):
     """The decode batches' int8 product (activation rounded per group at a power-of-two step of at most 2 max / 128,
     codebook bytes within half a unit) against the exact rotated-domain product, over activations with outlier
-    channels: under 1 % relative RMS (0.6-0.7 % here), a tenth or less of what 3 or 4 bits cost the weight itself."""
+    channels: under 1 % relative RMS (0.6-0.7 % here), a tenth or less of what 3 or 4 bits cost the weight itself;
+    the served layout (kernel words) gives the same result."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(16, 1024, generator=g)
     x[:, ::97] *= 20
     w = quantize_weight(_weight(out=256, inp=1024, seed=5), name)
     exact = tq_linear_reference(x, w)
-    err = ((tq_linear_int8_reference(x, w) - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
+    got = tq_linear_int8_reference(x, w)
+    err = ((got - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
     assert 0.002 < err < 0.015, err.item()
+    assert torch.equal(tq_linear_int8_reference(x, served_layout(w)), got)
 
 
 def test_bad_inputs_are_named():

@@ -149,17 +149,17 @@ def rotated_activation(x: torch.Tensor, w: TQWeight) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def mma_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def mma_rotation_tables(fmt_name: str, device: str, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(signs fp32 [128], positions int32 [128]) of ``linear_jit.tq_rotate_fp16_kernel``: D's diagonal of the
     format's rotation R = H D / sqrt(128), and the register-tile kernel's K position of each rotated coordinate
-    (the inverse of ``ops.paged_decode.decode_key_order``). Made once per device."""
+    (the inverse of ``ops.paged_decode.decode_key_order``; with ``int8``, of ``int8_key_order``, for
+    ``tq_rotate_int8_kernel``). Made once per device."""
     from .paged_decode import decode_key_order
 
     fmt = get_weight_format(fmt_name)
     gs = fmt.group_size
-    order = decode_key_order(gs)
     pos = torch.empty(gs, dtype=torch.int32)
-    pos[order] = torch.arange(gs, dtype=torch.int32)
+    pos[int8_key_order(gs) if int8 else decode_key_order(gs)] = torch.arange(gs, dtype=torch.int32)
     return hadamard_signs(gs, fmt.seed).to(device), pos.to(device)
 
 
@@ -177,13 +177,11 @@ def int8_key_order(dim: int = 128) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def mma_int8_rotation_tables(fmt_name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(signs, positions) as ``mma_rotation_tables``, the positions in the int8 product's K order."""
+def _int8_activation_unit(fmt_name: str) -> float:
+    """``tq_rotate_int8_kernel``'s ``unit``: the codebook's half unit (``weight_codec.int8_codebook``) over
+    sqrt(group size)."""
     fmt = get_weight_format(fmt_name)
-    gs = fmt.group_size
-    pos = torch.empty(gs, dtype=torch.int32)
-    pos[int8_key_order(gs)] = torch.arange(gs, dtype=torch.int32)
-    return hadamard_signs(gs, fmt.seed).to(device), pos.to(device)
+    return int8_codebook(fmt)[1] / 2 / math.sqrt(fmt.group_size)
 
 
 @functools.lru_cache(maxsize=16)
@@ -261,9 +259,9 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if int8:
         sx = torch.empty(rows, groups, dtype=torch.int32, device=x.device)
-        unit = int8_codebook(fmt.name)[1] / 2 / math.sqrt(fmt.group_size)
-        tq_rotate_int8_kernel[(rows, groups)](x, *mma_int8_rotation_tables(fmt.name, dev), xq, xs, sx, w.in_features,
-                                              unit, x.stride(0), xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
+        tq_rotate_int8_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev, int8=True), xq, xs, sx,
+                                              w.in_features, _int8_activation_unit(fmt.name), x.stride(0),
+                                              xq.stride(0), xs.stride(0), PDL=pdl, num_warps=1)
     else:
         sx = xs  # not read
         tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features,

@@ -49,6 +49,10 @@ class _TQQuantizationConfig(QuantizationConfig):
     """What the TurboQuant weight methods share: fp16/bf16 activations, Ampere or newer (the kernel's
     tensor-core products), nothing to read beyond config.json."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._decode_int8_option: bool | None = None  # --tq-weights-decode-int8, read at the first layer
+
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16]
 
@@ -62,7 +66,7 @@ class _TQQuantizationConfig(QuantizationConfig):
 
     def _decode_int8(self) -> bool:
         """The engine's ``--tq-weights-decode-int8`` (``TQConfig.weights_decode_int8``), read at the first layer."""
-        if getattr(self, "_decode_int8_option", None) is None:
+        if self._decode_int8_option is None:
             from vllm.config import get_current_vllm_config
 
             from ..config import TQConfig
