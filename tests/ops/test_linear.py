@@ -252,6 +252,56 @@ def test_decode_int8_off_takes_the_fp16_product(rows, monkeypatch):
     assert torch.equal(got, tq_linear(x, w))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_bits", [3, 5])
+@pytest.mark.parametrize("fmt,served,rows", [("tq4", True, 1), ("tq4", True, 5), ("tq3", True, 2), ("tq4", False, 3)],
+                         ids=["tq4-served-1", "tq4-served-5", "tq3-served-2", "tq4-planar8-3"])
+def test_scales_ahead_give_the_same_bits(fmt, served, rows, min_bits, monkeypatch):
+    """The register-tile kernel with each group's scales loaded a group ahead or in the group's own iteration: the
+    same arithmetic in the same order, so the same bits (int8 over kernel words, fp16 as stored), split products
+    included."""
+    _take_path("register-tile-int8" if served else "register-tile", "cuda", monkeypatch)
+    weight, x = _case(200, 1152, rows, 21, "cuda", torch.bfloat16)
+    w = quantize_weight(weight, fmt)
+    if served:
+        w = served_layout(w)
+    want = tq_linear(x, w)
+    monkeypatch.setattr(linear_ops, "MMA_SCALES_AHEAD_MIN_BITS", min_bits)
+    assert torch.equal(tq_linear(x, w), want)
+
+
+SCALES_AHEAD_PROBE = r'''
+import torch
+from tests.ops import sm90_probe
+
+sm90_probe.install_printer()
+from turboquant_core.ops import linear as linear_ops
+from turboquant_core.ops.weight_codec import quantize_weight, served_layout
+
+linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel
+linear_ops._pdl_runs = lambda device: True
+weights = [served_layout(quantize_weight(torch.randn(64, 2048), fmt)) for fmt in ("tq4", "tq3")]
+for min_bits in (3, 5):
+    linear_ops.MMA_SCALES_AHEAD_MIN_BITS = min_bits
+    for w in weights:
+        for rows in (1, 16):
+            linear_ops.tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
+'''
+
+
+@pytest.mark.slow
+def test_scales_ahead_compile_for_sm90_without_spills():
+    """The register-tile kernel with the scales in the group's iteration or a group ahead, int8 over tq4 and tq3
+    kernel words at 8 and 16 columns: compiled for sm_90 without spills; at 8 columns (the 1-7 rows it serves on
+    sm_90) in at most 128 registers, so that ``MMA_PROGRAMS_PER_SM`` one-warp programs stay resident."""
+    from tests.ops import sm90_probe
+
+    res = [r for r in sm90_probe.run_probe(SCALES_AHEAD_PROBE) if r[0] == "tq_linear_mma_kernel"]
+    assert len(res) == 8, res
+    assert all(stack == 0 for _, _, stack, _ in res), res
+    assert all(regs * 32 * linear_ops.MMA_PROGRAMS_PER_SM <= 65536 for _, regs, _, _ in res[::2]), res
+
+
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):

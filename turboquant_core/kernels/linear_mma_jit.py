@@ -195,12 +195,25 @@ def _decode_group_int8(words, t0, t1, kw_l: gl.constexpr, a_op: gl.constexpr, BI
     return gl.convert_layout(gl.reshape(kf, [BN, 128]), a_op, assert_trivial=True)
 
 
+@gluon.jit
+def _group_scales(S, srow, XS, SX, xcol, gi, INT8: gl.constexpr):
+    """Group ``gi``'s scales: the rows' weight scales (fp16), the columns' activation scales and, with INT8, their
+    int8 sums (else the activation scales again, not read)."""
+    ws = gl.load(S + srow + gi)
+    xs = gl.load(XS + xcol + gi)
+    if INT8:
+        sx = gl.load(SX + xcol + gi)
+    else:
+        sx = xs
+    return ws, xs, sx
+
+
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SPLIT: gl.constexpr, WORDS: gl.constexpr, INT8: gl.constexpr = False,
-                         PDL: gl.constexpr = False):
+                         PDL: gl.constexpr = False, SCALES_AHEAD: gl.constexpr = False):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -215,7 +228,9 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     uniform registers at every permute); int8 products (m16n8k32) into int32, each group's 2 P + SX then scaled
     (``ops.weight_codec.tq_linear_int8_reference``). SX and CB are not read otherwise. ``PDL``: launched as a
     programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
-    grid."""
+    grid. ``SCALES_AHEAD``: each group's scales (``_group_scales``) are loaded a group ahead, with the next group's
+    weight, instead of in its own iteration (the activation tile is loaded in its iteration either way: a carried
+    int8 tile costs a byte permute per value)."""
     DP: gl.constexpr = 128
     KW: gl.constexpr = 4 if INT8 else 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -244,16 +259,21 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
     if PDL:
         _grid_dependency_wait()  # the rotated activation
+    if SCALES_AHEAD:
+        ops = _group_scales(S, srow, XS, SX, xcol, g0, INT8)
     for gi in range(g0, g1):
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
         xq = gl.load(xq_ptr + gi * DP)
-        ws = gl.load(S + srow + gi).to(gl.float32)
-        xs = gl.load(XS + xcol + gi)
+        if SCALES_AHEAD:
+            ws, xs, sx = ops
+            ops = _group_scales(S, srow, XS, SX, xcol, gl.minimum(gi + 1, g1 - 1), INT8)
+        else:
+            ws, xs, sx = _group_scales(S, srow, XS, SX, xcol, gi, INT8)
+        ws = ws.to(gl.float32)
         if INT8:
             kt = _decode_group_int8(cur, t0, t1, kw_l, a_op, BITS, BN)
             part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.int32, layout=mma))
-            sx = gl.load(SX + xcol + gi)
             acc = acc + (2 * part + sx[None, :]).to(gl.float32) * ws[:, None] * xs[None, :]
         else:
             kt = _decode_group(cur, c0, c1, c2, c3, c4, c5, c6, c7, kw_l, a_op, BITS, WORDS, BN)

@@ -44,6 +44,8 @@ WGMMA_WIDE_PROGRAMS_PER_SM = 2  # from 32 columns, where each group's products t
 WGMMA_BLOCK_O = 64  # output rows per program of the warpgroup kernel
 MMA_INT8 = True  # the register-tile kernel's product in int8 (kernel words only): codebook bytes, int8 activation
 MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
+MMA_SCALES_AHEAD_MIN_BITS = 4  # register-tile kernel: from this width (tq4, not tq3), each group's scales are
+# loaded a group ahead, beside the next group's weight; tq3's shorter loop did not gain from it
 WGMMA_INT8_MAX_ROWS = 8  # the warpgroup kernel's product in int8 likewise, up to this many rows (past them its
 # integer sums' scaling per group costs more than the decode saves)
 
@@ -293,7 +295,8 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
             xq, xs, sx, cb, *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-            WORDS=w.kernel_words, INT8=int8, num_warps=1, **_pdl_launch(pdl))
+            WORDS=w.kernel_words, INT8=int8, SCALES_AHEAD=fmt.bits >= MMA_SCALES_AHEAD_MIN_BITS,
+            num_warps=1, **_pdl_launch(pdl))
     return y
 
 
