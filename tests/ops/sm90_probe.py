@@ -41,6 +41,54 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
 
 
+_SASS_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+# opcodes whose first operand is not a register they write
+_NO_DEST = ("ST", "RED", "ATOM", "BAR", "BRA", "EXIT", "WARPGROUP", "HGMMA", "IGMMA", "DEPBAR", "LDGDEPBAR", "NOP",
+            "WARPSYNC", "MEMBAR", "FENCE", "ERRBAR", "CCTL", "SYNCS", "CALL", "RET", "YIELD", "BSYNC", "BSSY")
+
+
+def _written_registers(op: str, operands: str) -> set[int]:
+    """The registers an instruction writes: its first operand, widened by the opcode's size (.64, .WIDE, .128)."""
+    if op.startswith(_NO_DEST):
+        return set()
+    m = re.fullmatch(r"R(\d+)(?:\.\w+)?", operands.split(",")[0].strip())
+    if not m:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazards(sass: str) -> list[str]:
+    """Instructions that write an A register of a warpgroup MMA in flight, i.e. before the ``WARPGROUP.DEPBAR``
+    that retires its group: PTX leaves that undefined and ptxas neither prevents nor reports it (the MMA reads its A
+    registers while it runs). Each loop body (a backward branch's range) is walked twice, the second walk as the
+    next iteration, so that a loop decoding the next operand into the registers of a product still in flight is
+    found. Groups end at the ``HGMMA`` marked ``gsb0``; ``DEPBAR.LE gsb0, N`` keeps the N newest."""
+    insns = [(int(a, 16), op, ops) for a, op, ops in _SASS_INSN.findall(sass)]
+    index = {a: i for i, (a, _, _) in enumerate(insns)}
+    found = []
+    for i, (a, op, ops) in enumerate(insns):
+        target = re.match(r"\s*0x([0-9a-f]+)", ops)
+        if op != "BRA" or not target or int(target.group(1), 16) >= a or int(target.group(1), 16) not in index:
+            continue
+        body = insns[index[int(target.group(1), 16)]:i + 1]
+        in_flight, group = [], set()
+        for addr, bop, bops in body + body:
+            if bop.startswith("HGMMA"):
+                a_op = re.fullmatch(r"R(\d+)", bops.split(",")[1].strip())
+                if a_op:
+                    group |= set(range(int(a_op.group(1)), int(a_op.group(1)) + 4))
+                if "gsb0" in bops:
+                    in_flight.append(group)
+                    group = set()
+            elif bop.startswith("WARPGROUP.DEPBAR"):
+                keep = int(bops.split(",")[-1].strip(), 16)
+                in_flight = in_flight[len(in_flight) - keep:] if keep else []
+            elif _written_registers(bop, bops) & set().union(*in_flight, group):
+                found.append(f"{addr:#06x} {bop} {bops.strip()}")
+    return found
+
+
 class ProbedLaunch:
     """One launch, bound for the sm_90 target: ``name``, ``key`` (Triton's compile-cache key) and ``compile()``."""
 
@@ -113,10 +161,14 @@ def install(on_launch) -> None:
 
 def install_printer() -> None:
     """Every later launch is compiled and printed as one line: kernel, registers, spill bytes, shared bytes (what
-    the subprocess probes of the kernel tests parse)."""
+    the subprocess probes of the kernel tests parse); a kernel that writes the A registers of a warpgroup MMA in
+    flight (``wgmma_register_hazards``) ends the probe with its instructions."""
 
     def on_launch(launch):
         res = launch.compile()
+        hazards = wgmma_register_hazards(launch.sass())
+        if hazards:
+            raise SystemExit(f"{res['kernel']} writes A registers of a warpgroup MMA in flight: {hazards[:4]}")
         print(res["kernel"], res["regs"], res["stack"], res["shared"], flush=True)
 
     install(on_launch)

@@ -349,7 +349,7 @@ def on_launch(launch):
         res = launch.compile()
         sass = launch.sass()
         seen.append(dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
-                         arrive=sass.count("WARPGROUP.ARRIVE")))
+                         arrive=sass.count("WARPGROUP.ARRIVE"), hazards=sm90_probe.wgmma_register_hazards(sass)))
 
 
 sm90_probe.install(on_launch)
@@ -374,8 +374,9 @@ def test_wgmma_decode_keeps_its_output_product_in_flight():
     tokens are looked up): it serializes warpgroup MMAs (notes C7514, C7515) where other instructions read or write
     an accumulator while one is in flight, e.g. a path around the tile loop, and it fences each MMA on its own
     (a ``WARPGROUP.ARRIVE`` per ``HGMMA``, no note) where other instructions write its operand registers between
-    them. And two programs fit an sm_90 SM (228 KB of shared memory, 1 KB of it reserved per program; 64 K
-    registers) for every one-segment latent, as the launcher's ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
+    them. No instruction writes the A registers of an MMA still in flight (``sm90_probe.wgmma_register_hazards``).
+    And two programs fit an sm_90 SM (228 KB of shared memory, 1 KB of it reserved per program; 64 K registers) for
+    every one-segment latent, as the launcher's ``MLA_WGMMA_PROGRAMS_PER_SM`` assumes."""
     from turboquant_core.ops.mla import MLA_WGMMA_PROGRAMS_PER_SM
 
     root = Path(__file__).resolve().parents[2]
@@ -388,6 +389,7 @@ def test_wgmma_decode_keeps_its_output_product_in_flight():
     assert len(res) == 3, res
     assert not any(r["serialized"] for r in res), res
     assert all(r["hgmma"] >= 8 * r["arrive"] for r in res), res  # each product's MMAs issued back to back
+    assert not any(r["hazards"] for r in res), res  # no MMA in flight has its A registers rewritten
     per_sm = MLA_WGMMA_PROGRAMS_PER_SM
     assert all(r["stack"] == 0 and per_sm * (r["shared"] + 1024) <= 228 * 1024 for r in res), res
     assert all(per_sm * 128 * r["regs"] <= 64 * 1024 for r in res), res
