@@ -174,9 +174,9 @@ def install_printer() -> None:
     install(on_launch)
 
 
-def run_probe(script: str) -> list[tuple[str, int, int, int]]:
-    """Run ``script`` (which calls ``install_printer`` and launches kernels) in a fresh interpreter with Triton
-    compiling rather than interpreting: (kernel, registers, spill bytes, shared bytes) per launch."""
+def run_script(script: str) -> str:
+    """Run ``script`` in a fresh interpreter with Triton compiling rather than interpreting; its stdout (the test
+    fails with its stderr's tail if it does)."""
     import sys
 
     import pytest
@@ -186,5 +186,11 @@ def run_probe(script: str) -> list[tuple[str, int, int, int]]:
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900, cwd=root)
     if p.returncode != 0:
         pytest.fail(f"probe failed:\n{p.stderr[-4000:]}")
-    rows = [line.split() for line in p.stdout.strip().splitlines()]
+    return p.stdout
+
+
+def run_probe(script: str) -> list[tuple[str, int, int, int]]:
+    """Run ``script`` (which calls ``install_printer`` and launches kernels) with ``run_script``: (kernel,
+    registers, spill bytes, shared bytes) per launch."""
+    rows = [line.split() for line in run_script(script).strip().splitlines()]
     return [(r[0], int(r[1]), int(r[2]), int(r[3])) for r in rows]

@@ -10,6 +10,8 @@ input dimension whose last group is padded. In Triton's interpreter on the CPU (
 run PTX the interpreter cannot), compiled on a GPU. On the CPU for an sm_90 target: every variant compiles without
 spills, and prefills of any size launch only variants vLLM's start-up compiled."""
 
+import json
+
 import pytest
 import torch
 
@@ -36,7 +38,7 @@ def _case(out, inp, rows, seed, device, dtype=torch.float32):
 def _take_path(path, device, monkeypatch):
     """Make the launcher run ``path`` for every row count up to MMA_MAX_ROWS (skip where it cannot); the
     register-tile and warpgroup kernels in fp16 ("register-tile", "warpgroup") or, over kernel words, in int8 (the
-    same with "-int8")."""
+    same with "-int8"), the warpgroup kernel's scaled operands ("warpgroup-scaled", kernel words)."""
     if path != "decoded" and device != "cuda":
         pytest.skip("the Gluon kernels run PTX the interpreter cannot")
     if path.startswith("warpgroup") and torch.cuda.get_device_capability() != (9, 0):
@@ -46,9 +48,11 @@ def _take_path(path, device, monkeypatch):
     monkeypatch.setattr(linear_ops, "WGMMA_MIN_ROWS", 1 if path.startswith("warpgroup") else MMA_MAX_ROWS + 1)
     monkeypatch.setattr(linear_ops, "MMA_INT8", int8)
     monkeypatch.setattr(linear_ops, "WGMMA_INT8_MAX_ROWS", MMA_MAX_ROWS if int8 else 0)
+    monkeypatch.setattr(linear_ops, "WGMMA_SCALED_FROM_ROWS", 1 if path.endswith("-scaled") else MMA_MAX_ROWS + 1)
 
 
-@pytest.mark.parametrize("path", ["register-tile", "register-tile-int8", "warpgroup", "warpgroup-int8", "decoded"])
+@pytest.mark.parametrize("path", ["register-tile", "register-tile-int8", "warpgroup", "warpgroup-int8",
+                                  "warpgroup-scaled", "decoded"])
 @pytest.mark.parametrize("fmt,served", [("tq4", True), ("tq4", False), ("tq3", True), ("tq3", False)],
                          ids=["tq4-served", "tq4-planar8", "tq3-served", "tq3-planar8"])
 @pytest.mark.parametrize("out,inp,rows", [(64, 128, 1), (80, 256, 3), (40, 384, 16), (72, 256, 17), (64, 1152, 2),
@@ -300,6 +304,71 @@ def test_scales_ahead_compile_for_sm90_without_spills():
     assert len(res) == 8, res
     assert all(stack == 0 for _, _, stack, _ in res), res
     assert all(regs * 32 * linear_ops.MMA_PROGRAMS_PER_SM <= 65536 for _, regs, _, _ in res[::2]), res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["tq4", "tq3"])
+@pytest.mark.parametrize("rows", [9, 24, 64])
+def test_scaled_operands_in_bf16(fmt, rows, monkeypatch):
+    """The warpgroup kernel's scaled operands with a bf16 activation: its tile and the scaled codebook values in
+    bf16 (the prefill path's precision), near the exact product; split products included."""
+    _take_path("warpgroup-scaled", "cuda", monkeypatch)
+    weight, x = _case(200, 1152, rows, 23, "cuda", torch.bfloat16)
+    w = served_layout(quantize_weight(weight, fmt))
+    got = tq_linear(x, w)
+    want = tq_linear_reference(x, w)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
+
+
+SCALED_PROBE = r'''
+import json
+import torch
+from tests.ops import sm90_probe
+
+seen = []
+
+
+def on_launch(launch):
+    if launch.name == "tq_linear_wgmma_kernel":
+        res = launch.compile()
+        sass = launch.sass()
+        seen.append(dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
+                         arrive=sass.count("WARPGROUP.ARRIVE"), hazards=sm90_probe.wgmma_register_hazards(sass)))
+
+
+sm90_probe.install(on_launch)
+from turboquant_core.ops import linear as linear_ops
+from turboquant_core.ops.weight_codec import quantize_weight, served_layout
+
+linear_ops._gluon_runs = lambda device: True
+linear_ops._wgmma_runs = lambda device: True
+linear_ops.WGMMA_SCALED_FROM_ROWS = 9
+for fmt in ("tq4", "tq3"):
+    w = served_layout(quantize_weight(torch.randn(64, 2048), fmt))
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in (16, 32, 64):
+            linear_ops.tq_linear(torch.randn(rows, 2048, dtype=dtype), w)
+print(json.dumps(seen))
+'''
+
+
+@pytest.mark.slow
+def test_scaled_operands_keep_a_product_in_flight():
+    """The warpgroup kernel's scaled operands, tq4 and tq3, bf16 and fp16 activations, 16 to 64 columns, compiled
+    for sm_90: ptxas keeps each group's product in flight beside the next group's decode (no serialization note,
+    the group's 8 warpgroup MMAs behind one fence), that decode writes none of the A registers the product in flight
+    reads, no spills, and the programs per SM the launcher plans fit."""
+    from tests.ops import sm90_probe
+
+    res = json.loads(sm90_probe.run_script(SCALED_PROBE).strip().splitlines()[-1])
+    assert len(res) == 12, res
+    assert not any(r["serialized"] for r in res), res
+    assert all(r["hgmma"] >= 8 * r["arrive"] and r["stack"] == 0 for r in res), res
+    assert not any(r["hazards"] for r in res), res  # the product in flight keeps its A registers
+    for i, r in enumerate(res):  # 16, 32 and 64 columns in turn
+        per_sm = linear_ops.WGMMA_PROGRAMS_PER_SM if i % 3 == 0 else linear_ops.WGMMA_WIDE_PROGRAMS_PER_SM
+        assert per_sm * 128 * r["regs"] <= 64 * 1024 and per_sm * (r["shared"] + 1024) <= 228 * 1024, (i, r)
 
 
 def test_wrong_activation_width_is_named(device):

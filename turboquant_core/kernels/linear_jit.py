@@ -102,18 +102,23 @@ def _power_of_two_step(xr, bits: tl.constexpr):
 # Rows and groups are the grid: nothing is specialized, one variant serves every decode batch.
 @triton.jit
 def tq_rotate_fp16_kernel(X, SIGNS, POS, XQ, XS, in_features, stride_x, stride_xq, stride_xs,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, UNSCALED: tl.constexpr = False):
     """For ``linear_mma_jit``: XQ fp16 [rows, groups * 128] and XS fp32 [rows, groups] such that XS * XQ = R x per
     group (R = H D / sqrt(128) the format's rotation: SIGNS [128] D's diagonal, +-1 fp32, H the Sylvester Hadamard
     matrix; POS [128] int32 the MMA kernel's K position of each rotated coordinate), XQ scaled by a power of two per
     (row, group) into [-2^14, 2^14]: fp16 keeps its 11 bits there whatever the activation's range. One row (program
     0) and group (program 1) per program, one warp: the butterflies' partners are in the same thread or lane.
     ``PDL``: the product after it may launch at once (it waits for this grid before it reads XQ and XS); this grid
-    is a few programs, all resident by then."""
+    is a few programs, all resident by then. ``UNSCALED``: XQ (X's type) = R x itself, XS not written (the warpgroup
+    kernel's scaled operands)."""
     row, gi, d, xr = _butterfly_rotated_group(X, SIGNS, in_features, stride_x, PDL)
-    scale = _power_of_two_step(xr, 14.0)
-    tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), (xr / scale).to(tl.float16))
-    tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
+    if UNSCALED:
+        tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d),
+                 (xr * 0.08838834764831845).to(XQ.dtype.element_ty))
+    else:
+        scale = _power_of_two_step(xr, 14.0)
+        tl.store(XQ + row * stride_xq + gi * GROUP + tl.load(POS + d), (xr / scale).to(tl.float16))
+        tl.store(XS + row * stride_xs + gi, scale * 0.08838834764831845)  # / sqrt(128)
 
 
 # Rows and groups are the grid, as for the fp16 rotation.

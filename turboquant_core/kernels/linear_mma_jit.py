@@ -79,18 +79,19 @@ def _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows,
 
 
 @gluon.jit
-def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr):
+def _fields_symmetric(word, m0, m1, m2, m3, SIGN_MAGNITUDE: gl.constexpr, DT: gl.constexpr = gl.float16):
     """Words of 4-bit fields of a codebook symmetric about zero -> the codebook values of their 8 fields, as
     ``_fields`` returns them, by ``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM`` (m0..m3: the magnitude words); with
-    SIGN_MAGNITUDE the fields are sign-magnitude (kernel words) and their rank is read, not computed."""
+    SIGN_MAGNITUDE the fields are sign-magnitude (kernel words) and their rank is read, not computed. ``DT``: the
+    16-bit type (fp16 or bf16) whose bit patterns the magnitude words hold."""
     f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(
         SIGN_MAGNITUDE_ASM if SIGN_MAGNITUDE else SYMMETRIC_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
         [word, m0, m1, m2, m3],
         dtype=(gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
-    f0, f1, f2, f3 = (f0.to(gl.float16, bitcast=True), f1.to(gl.float16, bitcast=True),
-                      f2.to(gl.float16, bitcast=True), f3.to(gl.float16, bitcast=True))
-    f4, f5, f6, f7 = (f4.to(gl.float16, bitcast=True), f5.to(gl.float16, bitcast=True),
-                      f6.to(gl.float16, bitcast=True), f7.to(gl.float16, bitcast=True))
+    f0, f1, f2, f3 = (f0.to(DT, bitcast=True), f1.to(DT, bitcast=True),
+                      f2.to(DT, bitcast=True), f3.to(DT, bitcast=True))
+    f4, f5, f6, f7 = (f4.to(DT, bitcast=True), f5.to(DT, bitcast=True),
+                      f6.to(DT, bitcast=True), f7.to(DT, bitcast=True))
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 
@@ -158,9 +159,10 @@ def _load_group(ptr, BITS: gl.constexpr, WORDS: gl.constexpr):
 
 @gluon.jit
 def _decode_group(words, c0, c1, c2, c3, c4, c5, c6, c7, kw_l: gl.constexpr, a_op: gl.constexpr,
-                  BITS: gl.constexpr, WORDS: gl.constexpr, BN: gl.constexpr):
+                  BITS: gl.constexpr, WORDS: gl.constexpr, BN: gl.constexpr, DT: gl.constexpr = gl.float16):
     """A group's loaded weight (``_load_group``) -> its codebook values [BN, 128] in the A-operand layout ``a_op``
-    (no data movement: ``kw_l`` is built so that the fields land in the operand's registers)."""
+    (no data movement: ``kw_l`` is built so that the fields land in the operand's registers), of type ``DT`` (the
+    codebook words' entries; bf16 for kernel words only)."""
     if WORDS and BITS == 3:
         kw = gl.convert_layout(_nibble_words_of_slots(words[0], words[1], words[2]), kw_l, assert_trivial=True)
     elif WORDS:
@@ -169,9 +171,9 @@ def _decode_group(words, c0, c1, c2, c3, c4, c5, c6, c7, kw_l: gl.constexpr, a_o
         kw = gl.convert_layout(_planes_to_words(words[0], words[1], words[2], words[3], BITS, 4), kw_l,
                                assert_trivial=True)
     if BITS == 4:  # c0..c3 the magnitude words of the symmetric codebook
-        kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS)  # [BN, 4, GR, 2, 2, 2]
+        kf = _fields_symmetric(kw, c0, c1, c2, c3, WORDS, DT)  # [BN, 4, GR, 2, 2, 2]
     elif WORDS:
-        kf = _nibble_fields_lookup(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
+        kf = _nibble_fields_lookup(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS, DT)
     else:
         kf = _fields(kw, c0, c1, c2, c3, c4, c5, c6, c7, BITS)
     return gl.convert_layout(gl.reshape(gl.permute(kf, [0, 2, 5, 4, 1, 3]), [BN, 128]), a_op, assert_trivial=True)

@@ -52,10 +52,10 @@ def _split_range(kv_len, split, num_splits, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr, DT: gl.constexpr = gl.float16):
     """fp16 codebook values of nibbles 0-3 of ``sel`` (``codebook_lookup_jit._permute_lookup4``); 4-bit fields
     take ``sel`` as their bits 0-2 and ``half`` as the permute that picks entries 0-7 or 8-15
-    (``codebook_lookup_jit._lookup_selectors``)."""
+    (``codebook_lookup_jit._lookup_selectors``). ``DT``: the 16-bit type whose bit patterns the words hold."""
     if B == 4:
         a, b, c, d = gl.inline_asm_elementwise(
             ASM_16, "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r", [sel, half, c0, c1, c2, c3, c4, c5, c6, c7],
@@ -64,8 +64,7 @@ def _lookup4(sel, half, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
         a, b, c, d = gl.inline_asm_elementwise(
             ASM_8, "=h,=h,=h,=h,r,r,r,r,r", [sel, c0, c1, c4, c5],
             dtype=(gl.int16, gl.int16, gl.int16, gl.int16), is_pure=True, pack=1)
-    return (a.to(gl.float16, bitcast=True), b.to(gl.float16, bitcast=True), c.to(gl.float16, bitcast=True),
-            d.to(gl.float16, bitcast=True))
+    return a.to(DT, bitcast=True), b.to(DT, bitcast=True), c.to(DT, bitcast=True), d.to(DT, bitcast=True)
 
 
 @gluon.jit
@@ -75,11 +74,11 @@ def _fields(word, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
 
 
 @gluon.jit
-def _nibble_fields_lookup(nib, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr):
+def _nibble_fields_lookup(nib, c0, c1, c2, c3, c4, c5, c6, c7, B: gl.constexpr, DT: gl.constexpr = gl.float16):
     """``_fields`` of words whose 8 fields are already one per nibble (``codebook_lookup_jit._nibble_fields``)."""
     x, half = _lookup_selectors(nib, B)
-    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B)
-    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B)
+    f0, f1, f2, f3 = _lookup4(x, half, c0, c1, c2, c3, c4, c5, c6, c7, B, DT)
+    f4, f5, f6, f7 = _lookup4(x >> 16, half >> 16, c0, c1, c2, c3, c4, c5, c6, c7, B, DT)
     return gl.join(gl.join(gl.join(f0, f1), gl.join(f2, f3)), gl.join(gl.join(f4, f5), gl.join(f6, f7)))
 
 

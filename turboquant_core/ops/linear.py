@@ -46,6 +46,9 @@ MMA_INT8 = True  # the register-tile kernel's product in int8 (kernel words only
 MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
 MMA_SCALES_AHEAD_MIN_BITS = 4  # register-tile kernel: from this width (tq4, not tq3), each group's scales are
 # loaded a group ahead, beside the next group's weight; tq3's shorter loop did not gain from it
+WGMMA_SCALED_FROM_ROWS = 17  # from this many rows (32 columns), over kernel words, the warpgroup kernel's scaled
+# operands (SCALED): no per-group scaling of its products, which add up in the MMA's accumulator; at 16 columns its
+# second A operand's registers cost tq4 more than the scaling saves
 WGMMA_INT8_MAX_ROWS = 8  # the warpgroup kernel's product in int8 likewise, up to this many rows (past them its
 # integer sums' scaling per group costs more than the decode saves)
 
@@ -205,12 +208,13 @@ def _codebook_int8_tensor(fmt_name: str, device: str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _codebook_words(fmt_name: str) -> tuple[int, ...]:
+def _codebook_words(fmt_name: str, dtype: torch.dtype = torch.float16) -> tuple[int, ...]:
     """The register-tile kernel's 8 codebook words: a 4-bit codebook (symmetric about zero) as its magnitudes'
-    words (``paged_decode.codebook_magnitude_words``), then zeros; a 3-bit one as the byte-permute lookup's words."""
+    words (``paged_decode.codebook_magnitude_words``), then zeros; a 3-bit one as the byte-permute lookup's words.
+    Entries in ``dtype`` (fp16, or bf16 for the warpgroup kernel's scaled operands)."""
     from .paged_decode import codebook_magnitude_words, codebook_permute_words
 
-    cb = _codebook(fmt_name, "cpu").half()
+    cb = _codebook(fmt_name, "cpu").to(dtype)
     return codebook_magnitude_words(cb) + (0, 0, 0, 0) if cb.numel() == 16 else codebook_permute_words(cb)
 
 
@@ -256,10 +260,16 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode
     groups = fmt.groups(w.in_features)
     wgmma = rows >= WGMMA_MIN_ROWS and _wgmma_runs(dev)
     int8 = decode_int8 and (rows <= WGMMA_INT8_MAX_ROWS if wgmma else bool(MMA_INT8)) and w.kernel_words
+    scaled = wgmma and not int8 and w.kernel_words and rows >= WGMMA_SCALED_FROM_ROWS
     pdl = bool(MMA_PDL) and not wgmma and _pdl_runs(dev)
-    xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.int8 if int8 else torch.float16, device=x.device)
+    xq = torch.empty(rows, groups * fmt.group_size, dtype=torch.int8 if int8 else x.dtype if scaled else torch.float16,
+                     device=x.device)
     xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    if int8:
+    if scaled:
+        sx = xs  # not read
+        tq_rotate_fp16_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev), xq, xs, w.in_features,
+                                              x.stride(0), xq.stride(0), xs.stride(0), UNSCALED=True, num_warps=1)
+    elif int8:
         sx = torch.empty(rows, groups, dtype=torch.int32, device=x.device)
         tq_rotate_int8_kernel[(rows, groups)](x, *mma_rotation_tables(fmt.name, dev, int8=True), xq, xs, sx,
                                               w.in_features, _int8_activation_unit(fmt.name), x.stride(0),
@@ -284,14 +294,14 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode
         counters = _split_counters(dev, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
     else:
         part = counters = y  # not read
-    words = (0,) * 8 if int8 else _codebook_words(fmt.name)
+    words = (0,) * 8 if int8 else _codebook_words(fmt.name, x.dtype if scaled else torch.float16)
     args = (w.packed, w.scales, bias if bias is not None else y, y, part, counters, rows, w.out_features, groups,
             per_split, xq.stride(0), xs.stride(0), y.stride(0), *words)
     cb = _codebook_int8_tensor(fmt.name, dev) if int8 else xs  # not read without int8
     if wgmma:
         tq_linear_wgmma_kernel[(tiles, splits)](xq, xs, sx, cb, *args, BITS=fmt.bits, NQ=nq,
                                                 HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
-                                                INT8=int8, num_warps=4)
+                                                INT8=int8, SCALED=scaled, num_warps=4)
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
             xq, xs, sx, cb, *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1,

@@ -134,8 +134,10 @@ def _byte_word(bits: list[int], first: int, high: bool) -> int:
 
 
 def _entry_bits(cent_f16: torch.Tensor) -> list[int]:
-    return cent_f16.detach().cpu().to(torch.float16).flatten().view(torch.int16).to(torch.int64).bitwise_and(
-        0xFFFF).tolist()
+    """16-bit patterns of the entries: fp16, or bf16 where the codebook comes as bf16."""
+    c = cent_f16.detach().cpu()
+    c = c if c.dtype == torch.bfloat16 else c.to(torch.float16)
+    return c.flatten().view(torch.int16).to(torch.int64).bitwise_and(0xFFFF).tolist()
 
 
 def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
@@ -149,10 +151,12 @@ def codebook_permute_words(cent_f16: torch.Tensor) -> tuple[int, ...]:
 def codebook_magnitude_words(cent_f16: torch.Tensor) -> tuple[int, int, int, int]:
     """``codebook_lookup_jit.SYMMETRIC_LOOKUP8_ASM``'s 4 codebook words as int32 values: the low bytes of the
     magnitudes m[k] = c[8 + k] (k = 0-3, then 4-7), then their high bytes. Only for 16 fp16 entries, ascending and
-    symmetric about zero bit for bit (c[15 - i] = -c[i]), as the Lloyd-Max codebooks are."""
+    symmetric about zero bit for bit (c[15 - i] = -c[i]), as the Lloyd-Max codebooks are. A bf16 codebook gives bf16
+    words (the lookup only moves bytes and sets bit 15)."""
     if cent_f16.numel() != 16:
         raise ValueError(f"the symmetric lookup takes codebooks of 16 entries, not {cent_f16.numel()}")
-    c = cent_f16.detach().cpu().to(torch.float16).flatten()
+    c = cent_f16.detach().cpu()
+    c = (c if c.dtype == torch.bfloat16 else c.to(torch.float16)).flatten()
     if not (torch.equal(c.flip(0), -c) and bool((c[1:] > c[:-1]).all())):
         raise ValueError("the symmetric lookup needs an ascending codebook symmetric about zero (c[15 - i] = -c[i])")
     bits = _entry_bits(c)
