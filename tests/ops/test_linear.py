@@ -371,62 +371,6 @@ def test_scaled_operands_keep_a_product_in_flight():
         assert per_sm * 128 * r["regs"] <= 64 * 1024 and per_sm * (r["shared"] + 1024) <= 228 * 1024, (i, r)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("path,fmt,served,rows", [("register-tile-int8", "tq4", True, 1),
-                                                  ("register-tile-int8", "tq3", True, 5),
-                                                  ("register-tile-int8", "tq4", True, 16),
-                                                  ("register-tile", "tq4", False, 3),
-                                                  ("register-tile", "tq3", True, 40)],
-                         ids=["tq4-int8-1", "tq3-int8-5", "tq4-int8-16", "tq4-planar8-3", "tq3-fp16-40"])
-def test_activation_stages_give_the_same_bits(path, fmt, served, rows, stages, monkeypatch):
-    """The register-tile kernel with its activation tiles copied into shared-memory stages ahead of their group:
-    the same tile values in the same products, so the same bits as loading them in the group's iteration, split
-    products (9 groups) and several column tiles included."""
-    _take_path(path, "cuda", monkeypatch)
-    weight, x = _case(200, 1152, rows, 31, "cuda", torch.bfloat16)
-    w = quantize_weight(weight, fmt)
-    if served:
-        w = served_layout(w)
-    want = tq_linear(x, w)
-    monkeypatch.setattr(linear_ops, "MMA_ACTIVATION_STAGES", stages)
-    assert torch.equal(tq_linear(x, w), want)
-
-
-ACTIVATION_STAGES_PROBE = r'''
-import torch
-from tests.ops import sm90_probe
-
-sm90_probe.install_printer()
-from turboquant_core.ops import linear as linear_ops
-from turboquant_core.ops.weight_codec import quantize_weight, served_layout
-
-linear_ops._gluon_runs = lambda device: True  # as on a GPU: the register-tile kernel
-linear_ops._pdl_runs = lambda device: True
-weights = [served_layout(quantize_weight(torch.randn(64, 2048), fmt)) for fmt in ("tq4", "tq3")]
-for stages in (2, 3):
-    linear_ops.MMA_ACTIVATION_STAGES = stages
-    for w in weights:
-        for rows in (1, 16):
-            linear_ops.tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
-'''
-
-
-@pytest.mark.slow
-def test_activation_stages_compile_for_sm90_without_spills():
-    """The register-tile kernel with 2 and 3 activation stages, int8 over tq4 and tq3 kernel words at 8 and 16
-    columns: compiled for sm_90 without spills; at 8 columns (the 1-7 rows it serves on sm_90) ``MMA_PROGRAMS_PER_SM``
-    one-warp programs still fit an SM's registers and shared memory."""
-    from tests.ops import sm90_probe
-
-    res = [r for r in sm90_probe.run_probe(ACTIVATION_STAGES_PROBE) if r[0] == "tq_linear_mma_kernel"]
-    assert len(res) == 8, res
-    assert all(stack == 0 for _, _, stack, _ in res), res
-    per_sm = linear_ops.MMA_PROGRAMS_PER_SM
-    assert all(per_sm * 32 * regs <= 65536 and per_sm * (shared + 1024) <= 228 * 1024
-               for _, regs, _, shared in res[::2]), res
-
-
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):

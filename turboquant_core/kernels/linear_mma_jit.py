@@ -22,7 +22,7 @@ fixed order and writes the output. With INT8 (kernel words) the fields become co
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .codebook_lookup_jit import SIGN_MAGNITUDE_LOOKUP8_ASM, SYMMETRIC_LOOKUP8_ASM
 from .paged_decode_jit import _fields, _load_planes, _nibble_fields_lookup, _planes_to_words, key_word_layout
@@ -215,7 +215,7 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SPLIT: gl.constexpr, WORDS: gl.constexpr, INT8: gl.constexpr = False,
-                         PDL: gl.constexpr = False, SCALES_AHEAD: gl.constexpr = False, X_STAGES: gl.constexpr = 0):
+                         PDL: gl.constexpr = False, SCALES_AHEAD: gl.constexpr = False):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -232,9 +232,7 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
     grid. ``SCALES_AHEAD``: each group's scales (``_group_scales``) are loaded a group ahead, with the next group's
     weight, instead of in its own iteration (the activation tile is loaded in its iteration either way: a carried
-    int8 tile costs a byte permute per value). ``X_STAGES`` (0, or 2 and more): the activation tiles are copied
-    into a ring of that many shared-memory stages, X_STAGES - 1 groups ahead (``cp.async``), and each group's tile
-    read from there, instead of loaded from global memory in its own iteration, where the product waits for them."""
+    int8 tile costs a byte permute per value)."""
     DP: gl.constexpr = 128
     KW: gl.constexpr = 4 if INT8 else 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -254,13 +252,6 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     qd = gl.arange(0, DP, layout=gl.SliceLayout(1, b_op))
     qc = pid_b * NQ + gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
-    if X_STAGES > 0:
-        VEC: gl.constexpr = 16 if INT8 else 8  # 16-byte copies
-        x_cl: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // DP, DP // VEC], [1, 1], [1, 0])
-        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if INT8 else 16, rank=2)
-        x_smem = gl.allocate_shared_memory(XQ.dtype.element_ty, [X_STAGES, NQ, DP], x_sl)
-        xr = gl.minimum(pid_b * NQ + gl.arange(0, NQ, layout=gl.SliceLayout(1, x_cl)), num_rows - 1)
-        x_src = XQ + (xr.to(gl.int64) * stride_xq)[:, None] + gl.arange(0, DP, layout=gl.SliceLayout(0, x_cl))[None, :]
 
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     if INT8:
@@ -272,24 +263,10 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
         _grid_dependency_wait()  # the rotated activation
     if SCALES_AHEAD:
         ops = _group_scales(S, srow, XS, SX, xcol, g0, INT8)
-    if X_STAGES > 0:
-        for s in gl.static_range(X_STAGES - 1):
-            async_copy.async_copy_global_to_shared(x_smem.index(s), x_src + gl.minimum(g0 + s, g1 - 1) * DP)
-            async_copy.commit_group()
     for gi in range(g0, g1):
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
-        if X_STAGES > 0:
-            pos = gi - g0
-            gl.thread_barrier()  # every lane has read the stage this copy takes (the last group's)
-            async_copy.async_copy_global_to_shared(x_smem.index((pos + X_STAGES - 1) % X_STAGES),
-                                                   x_src + gl.minimum(gi + X_STAGES - 1, g1 - 1) * DP)
-            async_copy.commit_group()
-            async_copy.wait_group(X_STAGES - 1)  # this group's tile, copied X_STAGES - 1 groups ago
-            gl.thread_barrier()  # every lane's part of it
-            xq = x_smem.index(pos % X_STAGES).permute((1, 0)).load(b_op)
-        else:
-            xq = gl.load(xq_ptr + gi * DP)
+        xq = gl.load(xq_ptr + gi * DP)
         if SCALES_AHEAD:
             ws, xs, sx = ops
             ops = _group_scales(S, srow, XS, SX, xcol, gl.minimum(gi + 1, g1 - 1), INT8)
@@ -305,7 +282,5 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
             part = mma_v2(kt, xq, gl.zeros([BN, NQ], gl.float32, layout=mma))
             acc = acc + part * ws[:, None] * xs[None, :]
 
-    if X_STAGES > 0:
-        async_copy.wait_group(0)
     _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k,
                 gl.num_programs(2), pid_o * gl.num_programs(1) + pid_b, HAS_BIAS, SPLIT)
