@@ -371,52 +371,6 @@ def test_scaled_operands_keep_a_product_in_flight():
         assert per_sm * 128 * r["regs"] <= 64 * 1024 and per_sm * (r["shared"] + 1024) <= 228 * 1024, (i, r)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("path,fmt,served,rows", [("warpgroup-int8", "tq4", True, 8), ("warpgroup-int8", "tq3", True, 3),
-                                                  ("warpgroup", "tq4", True, 16), ("warpgroup", "tq3", False, 40)],
-                         ids=["tq4-int8-8", "tq3-int8-3", "tq4-fp16-16", "tq3-planar8-40"])
-def test_warpgroup_scales_ahead_give_the_same_bits(path, fmt, served, rows, monkeypatch):
-    """The warpgroup kernel with each group's scales loaded a group ahead or after its MMA: the same arithmetic in
-    the same order, so the same bits, split products (9 groups) included."""
-    _take_path(path, "cuda", monkeypatch)
-    weight, x = _case(200, 1152, rows, 37, "cuda", torch.bfloat16)
-    w = quantize_weight(weight, fmt)
-    if served:
-        w = served_layout(w)
-    want = tq_linear(x, w)
-    monkeypatch.setattr(linear_ops, "WGMMA_SCALES_AHEAD", True)
-    assert torch.equal(tq_linear(x, w), want)
-
-
-WGMMA_SCALES_AHEAD_PROBE = r'''
-import torch
-from tests.ops import sm90_probe
-
-sm90_probe.install_printer()
-from turboquant_core.ops import linear as linear_ops
-from turboquant_core.ops.weight_codec import quantize_weight, served_layout
-
-linear_ops._gluon_runs = lambda device: True
-linear_ops._wgmma_runs = lambda device: True  # as on an H100: the warpgroup kernel from 8 rows
-linear_ops.WGMMA_SCALES_AHEAD = True
-for fmt in ("tq4", "tq3"):
-    w = served_layout(quantize_weight(torch.randn(64, 2048), fmt))
-    for rows in (8, 16):
-        linear_ops.tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
-'''
-
-
-@pytest.mark.slow
-def test_warpgroup_scales_ahead_compile_for_sm90_without_spills():
-    """The warpgroup kernel with its scales a group ahead, tq4 and tq3 kernel words, int8 at 8 rows and fp16 at 16:
-    compiled for sm_90 without spills, and ``WGMMA_PROGRAMS_PER_SM`` programs still fit an SM's registers."""
-    from tests.ops import sm90_probe
-
-    res = [r for r in sm90_probe.run_probe(WGMMA_SCALES_AHEAD_PROBE) if r[0] == "tq_linear_wgmma_kernel"]
-    assert len(res) == 4, res
-    assert all(stack == 0 and linear_ops.WGMMA_PROGRAMS_PER_SM * 128 * regs <= 65536 for _, regs, stack, _ in res), res
-
-
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):

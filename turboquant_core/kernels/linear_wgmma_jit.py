@@ -19,8 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .linear_mma_jit import (_decode_group, _decode_group_int8, _group_scales, _load_group, _tile_indices, _write_tile,
-                             group_stride)
+from .linear_mma_jit import _decode_group, _decode_group_int8, _load_group, _tile_indices, _write_tile, group_stride
 from .paged_decode_jit import key_word_layout
 
 
@@ -89,8 +88,7 @@ def _scaled_groups(x_smem, x_ptr, wptr, S, row0, out_features, groups, g0, g1, c
 def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups,
                            groups_per_split, stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                            BITS: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                           WORDS: gl.constexpr, INT8: gl.constexpr = False, SCALED: gl.constexpr = False,
-                           SCALES_AHEAD: gl.constexpr = False):
+                           WORDS: gl.constexpr, INT8: gl.constexpr = False, SCALED: gl.constexpr = False):
     """The arguments of ``linear_mma_jit.tq_linear_mma_kernel`` (XQ rotated activation fp16 [num_rows, groups *
     128] in K order, XS its fp32 scales [num_rows, groups], W the packed weight, S its fp16 scales [out, groups],
     c0..c7 the codebook words, Y [num_rows, out]), one warpgroup per program. Program (o, k): output rows 64 o..,
@@ -100,8 +98,7 @@ def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows,
     SCALED (kernel words): XQ is R x itself in X's type (bf16 or fp16; ``linear_jit.tq_rotate_fp16_kernel``'s
     UNSCALED), XS not read, c0..c7 the codebook words in that type; each decoded tile is multiplied by its rows'
     scales, so the groups' products add up in the MMA's accumulator, one in flight while the next is decoded (three
-    activation stages). ``SCALES_AHEAD`` (without SCALED): each group's scales (``linear_mma_jit._group_scales``) are
-    loaded a group ahead, with the next group's weight, instead of after its MMA, where the scaling waits for them."""
+    activation stages)."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(NQ % 8 == 0 and NQ <= 64, "the activation rows are the MMA's N")
     DP: gl.constexpr = 128
@@ -142,15 +139,10 @@ def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows,
         async_copy.commit_group()
         acc = gl.zeros([BM, NQ], gl.float32, layout=mma)
         nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
-        if SCALES_AHEAD:
-            ops = _group_scales(S, srow, XS, SX, xcol, g0, INT8)
         for gi in range(g0, g1):
             s = (gi - g0) % 2
             cur = nxt
             nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
-            if SCALES_AHEAD:
-                ws, xs, sx = ops
-                ops = _group_scales(S, srow, XS, SX, xcol, gl.minimum(gi + 1, g1 - 1), INT8)
             if INT8:
                 kt = _decode_group_int8(cur, t0, t1, kw_l, a_op, BITS, BM)
             else:
@@ -169,12 +161,13 @@ def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows,
                 part = warpgroup_mma_wait(0, deps=(part,))
             else:
                 part, kt = warpgroup_mma_wait(0, deps=(part, kt))
-            if not SCALES_AHEAD:
-                ws, xs, sx = _group_scales(S, srow, XS, SX, xcol, gi, INT8)
+            ws = gl.load(S + srow + gi).to(gl.float32)
+            xs = gl.load(XS + xcol + gi)
             if INT8:
-                acc = acc + (2 * part + sx[None, :]).to(gl.float32) * ws.to(gl.float32)[:, None] * xs[None, :]
+                sx = gl.load(SX + xcol + gi)
+                acc = acc + (2 * part + sx[None, :]).to(gl.float32) * ws[:, None] * xs[None, :]
             else:
-                acc = acc + part * ws.to(gl.float32)[:, None] * xs[None, :]
+                acc = acc + part * ws[:, None] * xs[None, :]
     async_copy.wait_group(0)
 
     _write_tile(acc, Y, BIAS, PART, COUNT, rows, cols, row_ok, col_ok, num_rows, out_features, stride_y, pid_k,
