@@ -149,6 +149,15 @@ class Sm90Driver:
         return TARGET
 
 
+def wgmma_report(launch: "ProbedLaunch") -> dict:
+    """``launch.compile()``'s report plus what the warpgroup-MMA tests read in its SASS: ptxas's serialization note
+    (``serialized``), the ``HGMMA`` and ``WARPGROUP.ARRIVE`` counts, and the writes to A registers of an MMA in flight
+    (``hazards``, ``wgmma_register_hazards``)."""
+    res = launch.compile()
+    sass = launch.sass()
+    return dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
+                arrive=sass.count("WARPGROUP.ARRIVE"), hazards=wgmma_register_hazards(sass))
+
 def install(on_launch) -> None:
     """Every later launch is handed to ``on_launch(ProbedLaunch)`` instead of compiling and running."""
 
@@ -158,6 +167,13 @@ def install(on_launch) -> None:
 
     tjit.JITFunction.run = probe_run
 
+
+def install_wgmma_reports(kernel: str) -> list[dict]:
+    """Every later launch of ``kernel`` is compiled and its ``wgmma_report`` appended to the list returned (other
+    launches neither compile nor run)."""
+    seen = []
+    install(lambda launch: seen.append(wgmma_report(launch)) if launch.name == kernel else None)
+    return seen
 
 def install_printer() -> None:
     """Every later launch is compiled and printed as one line: kernel, registers, spill bytes, shared bytes (what

@@ -341,18 +341,7 @@ import json
 import torch
 from tests.ops import sm90_probe
 
-seen = []
-
-
-def on_launch(launch):
-    if launch.name == "tq_mla_decode_wgmma_kernel":
-        res = launch.compile()
-        sass = launch.sass()
-        seen.append(dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
-                         arrive=sass.count("WARPGROUP.ARRIVE"), hazards=sm90_probe.wgmma_register_hazards(sass)))
-
-
-sm90_probe.install(on_launch)
+seen = sm90_probe.install_wgmma_reports("tq_mla_decode_wgmma_kernel")
 from turboquant_core.ops import mla as mla_ops
 from turboquant_core.ops.mla import mla_decode_attention
 from turboquant_core.ops.mla_layout import allocate_mla_cache, mla_paged_layout
