@@ -360,6 +360,73 @@ def test_scaled_operands_keep_a_product_in_flight():
         assert per_sm * 128 * r["regs"] <= 64 * 1024 and per_sm * (r["shared"] + 1024) <= 228 * 1024, (i, r)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("path,fmt,served,rows", [("register-tile-int8", "tq4", True, 1),
+                                                  ("register-tile-int8", "tq3", True, 5),
+                                                  ("register-tile", "tq4", False, 3), ("register-tile", "tq3", False, 20)],
+                         ids=["tq4-int8-1", "tq3-int8-5", "tq4-planar8-3", "tq3-planar8-20"])
+def test_weight_prefetch_gives_the_same_bits(path, fmt, served, rows, ahead, monkeypatch):
+    """The register-tile kernel with each group's weight prefetched into L2 groups ahead: prefetches change no value,
+    so the same bits, split products (9 groups) and the last groups' prefetches (clamped to the range) included."""
+    _take_path(path, "cuda", monkeypatch)
+    weight, x = _case(200, 1152, rows, 41, "cuda", torch.bfloat16)
+    w = quantize_weight(weight, fmt)
+    if served:
+        w = served_layout(w)
+    want = tq_linear(x, w)
+    monkeypatch.setattr(linear_ops, "MMA_PREFETCH_GROUPS", ahead)
+    assert torch.equal(tq_linear(x, w), want)
+
+
+@pytest.mark.slow
+def test_weight_prefetch_stays_in_the_loop_without_spills():
+    """Compiled for sm_90 (tq4 and tq3 kernel words, int8, one row), the prefetches (``CCTL.E.PF2``, two per
+    iteration) sit inside the group loop, which grows by at most 8 instructions, with no spills."""
+    from tests.ops import sm90_probe
+
+    res = json.loads(sm90_probe.run_script(PREFETCH_PROBE).strip().splitlines()[-1])
+    for fmt in ("tq4", "tq3"):
+        off, on = res[fmt]
+        assert on["prefetches_in_loop"] == 2 and off["prefetches_in_loop"] == 0, res
+        assert on["loop"] - off["loop"] <= 8 and on["stack"] == 0, res
+
+
+PREFETCH_PROBE = r'''
+import json, os, sys
+import torch
+from tests.ops import sm90_probe
+
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+from sass_loop_mix import loop_mix
+
+seen = []
+
+
+def on_launch(launch):
+    if launch.name == "tq_linear_mma_kernel":
+        res = launch.compile()
+        mix = loop_mix(launch.sass())
+        seen.append(dict(res, loop=mix["instructions"], prefetches_in_loop=mix["ops"].get("CCTL", 0)))
+
+
+sm90_probe.install(on_launch)
+from turboquant_core.ops import linear as linear_ops
+from turboquant_core.ops.weight_codec import quantize_weight, served_layout
+
+linear_ops._gluon_runs = lambda device: True
+linear_ops._pdl_runs = lambda device: True
+out = {}
+for fmt in ("tq4", "tq3"):
+    w = served_layout(quantize_weight(torch.randn(64, 2048), fmt))
+    for ahead in (0, 2):
+        linear_ops.MMA_PREFETCH_GROUPS = ahead
+        linear_ops.tq_linear(torch.randn(1, 2048, dtype=torch.bfloat16), w)
+    out[fmt] = seen[-2:]
+print(json.dumps(out))
+'''
+
+
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):
