@@ -11,7 +11,10 @@ into shared memory (asynchronously, a group ahead) as the B operand all four war
 scaled by the rows' group scales and the columns' activation scales and added to fp32 accumulators; the groups
 split over programs as in the register-tile kernel (``linear_mma_jit._write_tile``). With INT8 (kernel words), the
 register-tile kernel's int8 product: codebook bytes (``linear_mma_jit._decode_group_int8``) against the int8
-activation tile, k32 integer warpgroup MMAs into int32.
+activation tile, k32 integer warpgroup MMAs into int32. With SCALED (kernel words, the launcher's larger batches),
+the scaling moves into the operands instead: each decoded tile times its rows' scales, against the rotated
+activation itself, so the groups' products add up in the MMA's accumulator, one in flight while the next group is
+decoded into a second set of A registers.
 """
 
 from triton.experimental import gluon
