@@ -3,7 +3,9 @@
 """Instruction mix of a kernel's main loop in its sm_90 SASS, on a machine without a GPU: how many instructions of
 each kind one iteration issues (for the decode kernel: per 16-token tile and thread). Kernels bound by an issue pipe
 (the register-tile decode loop is bound by its ALU pipe) get faster as these counts fall, so a change can be weighed
-here before it is timed on a GPU.
+here before it is timed on a GPU. ``load_leads`` gives, for each global load of the loop, how many instructions
+come before the first that reads what it loaded (round the loop): where ptxas puts a load a few dozen instructions
+before its use, the warp waits out the memory round trip there.
 
 The launches of one serving configuration's start-up warm-up (``ops.kernel_warmup``, as the vLLM backend warms up by
 default) go through Triton's own launch path with a stand-in sm_90 driver (``tests/ops/sm90_probe.Sm90Driver``); the
@@ -174,7 +176,7 @@ def loop_mix(sass: str, innermost: bool = False) -> dict:
         loops = [(t, a) for t, a in loops if not any(t <= t2 and a2 <= a and (t2, a2) != (t, a) for t2, a2 in loops)]
     best = max(loops, key=lambda ta: ta[1] - ta[0], default=None)
     if best is None:
-        return dict(instructions=0, ops={}, pipes={}, copies=dict(register=0, from_uniform=0))
+        return dict(instructions=0, ops={}, pipes={}, copies=dict(register=0, from_uniform=0), load_leads=[])
     body = [(op, line) for addr, op, line in lines if best[0] <= addr <= best[1]]
     ops = collections.Counter(op for op, _ in body)
     pipes = collections.Counter()
@@ -187,7 +189,33 @@ def loop_mix(sass: str, innermost: bool = False) -> dict:
         if m := COPY.search(line):
             copies["from_uniform" if m.group(1).startswith("U") else "register"] += 1
     return dict(instructions=sum(ops.values()), ops=dict(ops.most_common()), pipes=dict(pipes.most_common()),
-                copies=dict(register=copies["register"], from_uniform=copies["from_uniform"]))
+                copies=dict(register=copies["register"], from_uniform=copies["from_uniform"]),
+                load_leads=load_leads([line for _, line in body]))
+
+
+def load_leads(body: list[str]) -> list[int]:
+    """For each global load into registers (``LDG``) of a loop body, in order: the instructions from it to the first
+    one that reads a register it writes, going round the loop. A lead much shorter than a memory round trip's worth
+    of issue is a wait the warp cannot hide (ptxas may place a load late to free its registers)."""
+    insns = []
+    for line in body:
+        m = re.search(r"\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", line)
+        if m:
+            insns.append((m.group(1), [o.strip() for o in re.split(r"[,\[\]]", m.group(2)) if o.strip()]))
+    leads = []
+    for i, (op, operands) in enumerate(insns):
+        dest = re.fullmatch(r"R(\d+)", operands[0]) if op.startswith("LDG") and operands else None
+        if not dest:
+            continue
+        width = 4 if ".128" in op else 2 if ".64" in op else 1
+        regs = {f"R{r}" for r in range(int(dest.group(1)), int(dest.group(1)) + width)}
+        for d in range(1, len(insns) + 1):
+            later_op, later = insns[(i + d) % len(insns)]
+            reads = later if later_op.startswith(("ST", "RED", "ATOM")) else later[1:]
+            if any(o.split(".")[0].split("+")[0] in regs for o in reads):
+                leads.append(d)
+                break
+    return leads
 
 
 def main(argv=None) -> int:
@@ -268,7 +296,8 @@ def linear_main(args, argv, cuobjdump: str, scratch: str, env: dict) -> int:
     for v in variants:
         print(f"{v['kernel']} {args.linear} rows {v['rows']}: {v['registers']} registers, loop of "
               f"{v['instructions']} instructions per group ({v['per_weight']:.2f} per weight); pipes {v['pipes']}; "
-              f"copies {v['copies']}; ops {dict(list(v['ops'].items())[:10])}")
+              f"copies {v['copies']}; ops {dict(list(v['ops'].items())[:10])}; global loads' leads "
+              f"{sorted(v['load_leads'])}")
     return 0
 
 

@@ -26,7 +26,24 @@ def test_the_longest_backward_branch_is_the_loop_and_its_ops_are_counted_by_pipe
     assert mix["pipes"] == {"alu": 3, "tensor": 1, "control": 1}
     assert mix["copies"] == dict(register=0, from_uniform=0)
     assert loop_mix("        /*0000*/                   EXIT ;") == dict(instructions=0, ops={}, pipes={},
-                                                                    copies=dict(register=0, from_uniform=0))
+                                                                    copies=dict(register=0, from_uniform=0),
+                                                                    load_leads=[])
+
+
+def test_load_leads_count_to_the_first_read_round_the_loop():
+    """A load read two instructions later, and a 16-byte load whose third register is read at the top of the next
+    iteration; a store's address register counts as a read, a write of the loaded register does not end the count."""
+    body = """
+        /*0000*/                   PRMT R9, R6, 0x5140, R4 ;
+        /*0010*/                   LDG.E R2, desc[UR4][R10.64] ;
+        /*0020*/                   IMAD.MOV.U32 R3, RZ, RZ, 0x1 ;
+        /*0030*/                   FADD R3, R2, R3 ;
+        /*0040*/              @!P0 LDG.E.128 R4, desc[UR4][R12.64] ;
+        /*0050*/                   MOV R7, 0x1 ;
+        /*0060*/                   STG.E desc[UR4][R2.64], R3 ;
+        /*0070*/                   BRA 0x0 ;
+"""
+    assert loop_mix(body)["load_leads"] == [2, 4]
 
 
 def test_copies_between_registers_and_out_of_uniform_ones_are_counted():
