@@ -360,6 +360,84 @@ def test_scaled_operands_keep_a_product_in_flight():
         assert per_sm * 128 * r["regs"] <= 64 * 1024 and per_sm * (r["shared"] + 1024) <= 228 * 1024, (i, r)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("path,fmt,served,rows", [("register-tile-int8", "tq4", True, 1),
+                                                  ("register-tile-int8", "tq3", True, 5),
+                                                  ("register-tile", "tq4", False, 3), ("register-tile", "tq3", False, 20),
+                                                  ("warpgroup-int8", "tq4", True, 8), ("warpgroup", "tq3", True, 16),
+                                                  ("warpgroup-scaled", "tq4", True, 40),
+                                                  ("warpgroup-scaled", "tq3", True, 64)],
+                         ids=["tq4-int8-1", "tq3-int8-5", "tq4-planar8-3", "tq3-planar8-20", "wg-tq4-int8-8",
+                              "wg-tq3-fp16-16", "wg-tq4-scaled-40", "wg-tq3-scaled-64"])
+def test_weight_prefetch_gives_the_same_bits(path, fmt, served, rows, ahead, monkeypatch):
+    """The register-tile and warpgroup kernels with each group's weight prefetched into L2 groups (with scaled
+    operands, pairs) ahead: prefetches change no value, so the same bits, split products (9 groups: an odd range of
+    pairs) and the last groups' prefetches (clamped to the range) included."""
+    _take_path(path, "cuda", monkeypatch)
+    weight, x = _case(200, 1152, rows, 41, "cuda", torch.bfloat16)
+    w = quantize_weight(weight, fmt)
+    if served:
+        w = served_layout(w)
+    want = tq_linear(x, w)
+    monkeypatch.setattr(linear_ops, "MMA_PREFETCH_GROUPS", ahead)
+    monkeypatch.setattr(linear_ops, "WGMMA_PREFETCH_GROUPS", ahead)
+    assert torch.equal(tq_linear(x, w), want)
+
+
+@pytest.mark.slow
+def test_weight_prefetch_stays_in_the_loop_without_spills():
+    """Compiled for sm_90 (tq4 and tq3 kernel words), the prefetches (``CCTL.E.PF2``) sit inside the group loop:
+    two per iteration in the register-tile kernel (int8, one row), one in the warpgroup kernel (int8, 8 rows) and
+    two per pair of groups with scaled operands (64 rows); each loop grows by at most 16 instructions, no spills."""
+    from tests.ops import sm90_probe
+
+    res = json.loads(sm90_probe.run_script(PREFETCH_PROBE).strip().splitlines()[-1])
+    for fmt in ("tq4", "tq3"):
+        for rows, per_loop in (("1", 2), ("8", 1), ("64", 2)):
+            off, on = res[fmt][rows]
+            assert on["prefetches_in_loop"] == per_loop and off["prefetches_in_loop"] == 0, res
+            assert on["loop"] - off["loop"] <= 16 and on["stack"] == 0, res
+
+
+PREFETCH_PROBE = r'''
+import json, os, sys
+import torch
+from tests.ops import sm90_probe
+
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+from sass_loop_mix import loop_mix
+
+seen = []
+
+
+def on_launch(launch):
+    if launch.name in ("tq_linear_mma_kernel", "tq_linear_wgmma_kernel"):
+        res = launch.compile()
+        mix = loop_mix(launch.sass())
+        seen.append(dict(res, loop=mix["instructions"], prefetches_in_loop=mix["ops"].get("CCTL", 0)))
+
+
+sm90_probe.install(on_launch)
+from turboquant_core.ops import linear as linear_ops
+from turboquant_core.ops.weight_codec import quantize_weight, served_layout
+
+linear_ops._gluon_runs = lambda device: True
+linear_ops._pdl_runs = lambda device: True
+linear_ops._wgmma_runs = lambda device: True  # as on an H100: the warpgroup kernel from 8 rows
+out = {}
+for fmt in ("tq4", "tq3"):
+    w = served_layout(quantize_weight(torch.randn(64, 2048), fmt))
+    out[fmt] = {}
+    for rows in (1, 8, 64):
+        for ahead in (0, 2):
+            linear_ops.MMA_PREFETCH_GROUPS = linear_ops.WGMMA_PREFETCH_GROUPS = ahead
+            linear_ops.tq_linear(torch.randn(rows, 2048, dtype=torch.bfloat16), w)
+        out[fmt][str(rows)] = seen[-2:]
+print(json.dumps(out))
+'''
+
+
 def test_wrong_activation_width_is_named(device):
     weight, _ = _case(16, 256, 1, 0, device)
     with pytest.raises(ValueError, match="activation has 255 features, the weight 256"):
