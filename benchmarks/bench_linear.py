@@ -39,8 +39,7 @@ SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTERME
           "down": (HIDDEN, INTERMEDIATE)}
 KNOBS = {"mma_max_rows": "MMA_MAX_ROWS", "mma_programs_per_sm": "MMA_PROGRAMS_PER_SM", "mma_block_o": "MMA_BLOCK_O",
          "mma_min_groups_per_split": "MMA_MIN_GROUPS_PER_SPLIT", "mma_int8": "MMA_INT8", "mma_pdl": "MMA_PDL",
-         "mma_scales_ahead_min_bits": "MMA_SCALES_AHEAD_MIN_BITS", "mma_prefetch_groups": "MMA_PREFETCH_GROUPS",
-         "wgmma_prefetch_groups": "WGMMA_PREFETCH_GROUPS",
+         "mma_scales_ahead_min_bits": "MMA_SCALES_AHEAD_MIN_BITS",
          "wgmma_int8_max_rows": "WGMMA_INT8_MAX_ROWS",
          "wgmma_scaled_from_rows": "WGMMA_SCALED_FROM_ROWS", "wgmma_min_rows": "WGMMA_MIN_ROWS",
          "wgmma_programs_per_sm": "WGMMA_PROGRAMS_PER_SM", "wgmma_wide_programs_per_sm": "WGMMA_WIDE_PROGRAMS_PER_SM"}

@@ -210,21 +210,12 @@ def _group_scales(S, srow, XS, SX, xcol, gi, INT8: gl.constexpr):
     return ws, xs, sx
 
 
-@gluon.jit
-def _prefetch_l2(ptrs):
-    """An L2 prefetch of each address in ``ptrs``: it writes no register, so the scheduler has no reason to sink it
-    to the loop's end the way ptxas sinks the next group's word loads (whose registers would stay live across the
-    decode)."""
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
 @gluon.jit(do_not_specialize=["num_rows"])
 def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups, groups_per_split,
                          stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                          BITS: gl.constexpr, BN: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr,
                          SPLIT: gl.constexpr, WORDS: gl.constexpr, INT8: gl.constexpr = False,
-                         PDL: gl.constexpr = False, SCALES_AHEAD: gl.constexpr = False,
-                         PREFETCH: gl.constexpr = 0):
+                         PDL: gl.constexpr = False, SCALES_AHEAD: gl.constexpr = False):
     """XQ fp16 [num_rows, groups * 128] (rotated, K order), XS fp32 [num_rows, groups] (its scales); W uint8
     [out, groups, 16 * BITS] (planar8 per group), or with WORDS the kernel words int32 [out, groups, 4 * BITS]
     (``ops.weight_codec``: no plane merge; 4-bit: each thread's four words one 16-byte load; 3-bit: its three slots,
@@ -241,10 +232,7 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     programmatic dependent of the activation's rotation; its first group's weight is loaded before it waits for that
     grid. ``SCALES_AHEAD``: each group's scales (``_group_scales``) are loaded a group ahead, with the next group's
     weight, instead of in its own iteration (the activation tile is loaded in its iteration either way: a carried
-    int8 tile costs a byte permute per value). ``PREFETCH`` (0, or 1 and more): at the top of each group's iteration,
-    the weight of the group PREFETCH ahead is prefetched into L2 (``_prefetch_l2``, each lane one output row's
-    chunk), since ptxas sinks the next group's word loads to the end of the iteration, a few dozen instructions
-    before the decode that reads them."""
+    int8 tile costs a byte permute per value)."""
     DP: gl.constexpr = 128
     KW: gl.constexpr = 4 if INT8 else 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -265,11 +253,6 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     qc = pid_b * NQ + gl.arange(0, NQ, layout=gl.SliceLayout(0, b_op))
     xq_ptr = XQ + (gl.minimum(qc, num_rows - 1).to(gl.int64) * stride_xq)[None, :] + qd[:, None]
 
-    if PREFETCH > 0:
-        pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        pf_rows = gl.minimum(pid_o * BN + gl.arange(0, BN, layout=pf_l), out_features - 1)
-        pf_ptr = W + pf_rows.to(gl.int64) * groups * STRIDE
-
     acc = gl.zeros([BN, NQ], gl.float32, layout=mma)
     if INT8:
         t0 = gl.load(CB)
@@ -281,10 +264,6 @@ def tq_linear_mma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, o
     if SCALES_AHEAD:
         ops = _group_scales(S, srow, XS, SX, xcol, g0, INT8)
     for gi in range(g0, g1):
-        if PREFETCH > 0:  # a row's chunk may cross a 128-byte line: its first and last bytes
-            gp = pf_ptr + gl.minimum(gi + PREFETCH, g1 - 1) * STRIDE
-            _prefetch_l2(gp)
-            _prefetch_l2(gp + (STRIDE - 1))
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)
         xq = gl.load(xq_ptr + gi * DP)

@@ -22,8 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .linear_mma_jit import (_decode_group, _decode_group_int8, _load_group, _prefetch_l2, _tile_indices, _write_tile,
-                             group_stride)
+from .linear_mma_jit import _decode_group, _decode_group_int8, _load_group, _tile_indices, _write_tile, group_stride
 from .paged_decode_jit import key_word_layout
 
 
@@ -55,7 +54,7 @@ def _scaled_issue(acc, cur, pos, g0, g1, valid, x_smem, x_ptr, S, srow, c0, c1, 
 @gluon.jit
 def _scaled_groups(x_smem, x_ptr, wptr, S, row0, out_features, groups, g0, g1, c0, c1, c2, c3, c4, c5, c6, c7,
                    kw_l: gl.constexpr, a_op: gl.constexpr, mma: gl.constexpr, ws_l: gl.constexpr, BITS: gl.constexpr,
-                   NQ: gl.constexpr, STAGES: gl.constexpr, XT: gl.constexpr, pf_ptr, PREFETCH: gl.constexpr):
+                   NQ: gl.constexpr, STAGES: gl.constexpr, XT: gl.constexpr):
     """SCALED's loop over groups g0..g1: each group's codebook values times its rows' scales (the A operand, in
     registers, in XT), against its activation tile (copied a group ahead), accumulated by the MMA; the product of
     one group stays in flight while the next is decoded, so STAGES = 3 tiles: the one it reads, the current one and
@@ -73,9 +72,6 @@ def _scaled_groups(x_smem, x_ptr, wptr, S, row0, out_features, groups, g0, g1, c
     kb = gl.zeros([BM, DP], XT, layout=a_op)
     nxt = _load_group(wptr + g0 * STRIDE, BITS, True)
     for pos in range(g0, g1, 2):
-        if PREFETCH > 0:  # the pair PREFETCH pairs ahead
-            _prefetch_l2(pf_ptr + gl.minimum(pos + 2 * PREFETCH, g1 - 1) * STRIDE)
-            _prefetch_l2(pf_ptr + gl.minimum(pos + 2 * PREFETCH + 1, g1 - 1) * STRIDE)
         cur = nxt
         nxt = _load_group(wptr + gl.minimum(pos + 1, g1 - 1) * STRIDE, BITS, True)
         acc, ka = _scaled_issue(acc, cur, pos, g0, g1, 1.0, x_smem, x_ptr, S, srow, c0, c1, c2, c3, c4, c5, c6, c7,
@@ -95,8 +91,7 @@ def _scaled_groups(x_smem, x_ptr, wptr, S, row0, out_features, groups, g0, g1, c
 def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows, out_features, groups,
                            groups_per_split, stride_xq, stride_xs, stride_y, c0, c1, c2, c3, c4, c5, c6, c7,
                            BITS: gl.constexpr, NQ: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                           WORDS: gl.constexpr, INT8: gl.constexpr = False, SCALED: gl.constexpr = False,
-                           PREFETCH: gl.constexpr = 0):
+                           WORDS: gl.constexpr, INT8: gl.constexpr = False, SCALED: gl.constexpr = False):
     """The arguments of ``linear_mma_jit.tq_linear_mma_kernel`` (XQ rotated activation fp16 [num_rows, groups *
     128] in K order, XS its fp32 scales [num_rows, groups], W the packed weight, S its fp16 scales [out, groups],
     c0..c7 the codebook words, Y [num_rows, out]), one warpgroup per program. Program (o, k): output rows 64 o..,
@@ -106,9 +101,7 @@ def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows,
     SCALED (kernel words): XQ is R x itself in X's type (bf16 or fp16; ``linear_jit.tq_rotate_fp16_kernel``'s
     UNSCALED), XS not read, c0..c7 the codebook words in that type; each decoded tile is multiplied by its rows'
     scales, so the groups' products add up in the MMA's accumulator, one in flight while the next is decoded (three
-    activation stages). ``PREFETCH`` (0, or 1 and more): the weight of the group (with SCALED: the pair) that many
-    ahead is prefetched into L2 at the top of each iteration, each thread one row chunk's first or last byte
-    (``linear_mma_jit._prefetch_l2``)."""
+    activation stages)."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     gl.static_assert(NQ % 8 == 0 and NQ <= 64, "the activation rows are the MMA's N")
     DP: gl.constexpr = 128
@@ -137,25 +130,19 @@ def tq_linear_wgmma_kernel(XQ, XS, SX, CB, W, S, BIAS, Y, PART, COUNT, num_rows,
     xr = gl.minimum(gl.arange(0, NQ, layout=gl.SliceLayout(1, x_l)), num_rows - 1)
     x_ptr = XQ + (xr.to(gl.int64) * stride_xq)[:, None] + gl.arange(0, DP, layout=gl.SliceLayout(0, x_l))[None, :]
     x_smem = gl.allocate_shared_memory(XT, [STAGES, NQ, DP], x_sl)
-    pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    pf_i = gl.arange(0, 2 * BM, layout=pf_l)  # rows' chunks, first bytes then last bytes
-    pf_ptr = (W + gl.minimum(pid_o * BM + pf_i % BM, out_features - 1).to(gl.int64) * groups * STRIDE
-              + (pf_i // BM) * (STRIDE - 1))
     if INT8:
         t0 = gl.load(CB)
         t1 = gl.load(CB + 1)
 
     if SCALED:
         acc = _scaled_groups(x_smem, x_ptr, wptr, S, pid_o * BM, out_features, groups, g0, g1, c0, c1, c2, c3, c4, c5,
-                             c6, c7, kw_l, a_op, mma, ws_l, BITS, NQ, STAGES, XT, pf_ptr, PREFETCH)
+                             c6, c7, kw_l, a_op, mma, ws_l, BITS, NQ, STAGES, XT)
     else:
         async_copy.async_copy_global_to_shared(x_smem.index(0), x_ptr + g0 * DP)
         async_copy.commit_group()
         acc = gl.zeros([BM, NQ], gl.float32, layout=mma)
         nxt = _load_group(wptr + g0 * STRIDE, BITS, WORDS)
         for gi in range(g0, g1):
-            if PREFETCH > 0:
-                _prefetch_l2(pf_ptr + gl.minimum(gi + PREFETCH, g1 - 1) * STRIDE)
             s = (gi - g0) % 2
             cur = nxt
             nxt = _load_group(wptr + gl.minimum(gi + 1, g1 - 1) * STRIDE, BITS, WORDS)

@@ -46,8 +46,6 @@ MMA_INT8 = True  # the register-tile kernel's product in int8 (kernel words only
 MMA_PDL = True  # on sm_90 and later: the register-tile product a programmatic dependent of the rotation
 MMA_SCALES_AHEAD_MIN_BITS = 4  # register-tile kernel: from this width (tq4, not tq3), each group's scales are
 # loaded a group ahead, beside the next group's weight; tq3's shorter loop did not gain from it
-MMA_PREFETCH_GROUPS = 0  # register-tile kernel: 0, or prefetch into L2 the weight of the group this many ahead
-WGMMA_PREFETCH_GROUPS = 0  # the warpgroup kernel likewise (with scaled operands: pairs of groups)
 WGMMA_SCALED_FROM_ROWS = 17  # from this many rows (32 columns), over kernel words, the warpgroup kernel's scaled
 # operands (SCALED): no per-group scaling of its products, which add up in the MMA's accumulator; at 16 columns its
 # second A operand's registers cost tq4 more than the scaling saves
@@ -303,13 +301,11 @@ def _mma_product(x: torch.Tensor, w: TQWeight, bias: torch.Tensor | None, decode
     if wgmma:
         tq_linear_wgmma_kernel[(tiles, splits)](xq, xs, sx, cb, *args, BITS=fmt.bits, NQ=nq,
                                                 HAS_BIAS=bias is not None, SPLIT=splits > 1, WORDS=w.kernel_words,
-                                                INT8=int8, SCALED=scaled, PREFETCH=WGMMA_PREFETCH_GROUPS,
-                                                num_warps=4)
+                                                INT8=int8, SCALED=scaled, num_warps=4)
     else:
         tq_linear_mma_kernel[(triton.cdiv(w.out_features, bn), triton.cdiv(rows, nq), splits)](
             xq, xs, sx, cb, *args, BITS=fmt.bits, BN=bn, NQ=nq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
             WORDS=w.kernel_words, INT8=int8, SCALES_AHEAD=fmt.bits >= MMA_SCALES_AHEAD_MIN_BITS,
-            PREFETCH=MMA_PREFETCH_GROUPS,
             num_warps=1, **_pdl_launch(pdl))
     return y
 
