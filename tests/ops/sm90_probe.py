@@ -158,6 +158,7 @@ def wgmma_report(launch: "ProbedLaunch") -> dict:
     return dict(res, serialized="serialized" in launch.ptxas_notes(), hgmma=sass.count("HGMMA."),
                 arrive=sass.count("WARPGROUP.ARRIVE"), hazards=wgmma_register_hazards(sass))
 
+
 def install(on_launch) -> None:
     """Every later launch is handed to ``on_launch(ProbedLaunch)`` instead of compiling and running."""
 
@@ -174,6 +175,7 @@ def install_wgmma_reports(kernel: str) -> list[dict]:
     seen = []
     install(lambda launch: seen.append(wgmma_report(launch)) if launch.name == kernel else None)
     return seen
+
 
 def install_printer() -> None:
     """Every later launch is compiled and printed as one line: kernel, registers, spill bytes, shared bytes (what
